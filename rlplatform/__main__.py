@@ -1,0 +1,5 @@
+import sys
+
+from rlplatform.cli import main
+
+sys.exit(main())

@@ -1,0 +1,56 @@
+"""`python -m rlplatform VERB ...`: one module per verb; bad input ends as `error: ...` and exit 2."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import warnings
+from typing import Optional, Sequence
+
+from rlplatform import __version__
+from rlplatform.errors import UserError
+
+EXIT_USAGE = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse's own errors keep our one-line format
+        print(f"error: {message}", file=sys.stderr)
+        sys.exit(EXIT_USAGE)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from rlplatform import evaluate, train
+
+    parser = _Parser(prog="rlplatform", description="Distributed reinforcement learning on Ray RLlib.")
+    parser.add_argument("--version", action="version", version=f"rlplatform {__version__}")
+    subparsers = parser.add_subparsers(dest="verb", metavar="VERB", parser_class=_Parser)
+    for verb in (train, evaluate):
+        verb.add_parser(subparsers)
+    return parser
+
+
+def _quiet() -> None:
+    # Ray and RLlib warn loudly about things a normal run cannot act on.
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    warnings.filterwarnings("ignore", category=UserWarning)
+    os.environ.setdefault("PYTHONWARNINGS", "ignore::DeprecationWarning,ignore::UserWarning")
+    os.environ.setdefault("RAY_DEDUP_LOGS", "1")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    _quiet()
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return EXIT_USAGE
+    try:
+        return args.func(args)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130

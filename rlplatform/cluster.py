@@ -1,0 +1,146 @@
+"""Ray: a private local instance or an existing cluster, its resources, sizing and pre-flight.
+
+A run without `--address` starts its own Ray instance (`address="local"`), so it never
+joins a cluster that `ray start` left on the host. Token authentication stays on.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from rlplatform.config import ExperimentConfig
+from rlplatform.errors import UserError
+
+TOKEN_FILE = Path.home() / ".ray" / "auth_token"
+
+
+@dataclass
+class Resources:
+    """What the Ray cluster offers: totals and each node's share."""
+
+    cpus: float
+    gpus: float
+    nodes: list[dict[str, float]] = field(default_factory=list)
+
+    def describe(self) -> str:
+        return f"{self.cpus:g} CPUs, {self.gpus:g} GPUs on {len(self.nodes)} node(s)"
+
+
+def local_resources() -> Resources:
+    """What a private local instance on this machine will have, known before Ray starts."""
+    cpus = float(len(os.sched_getaffinity(0)))
+    gpus = float(_local_gpu_count())
+    return Resources(cpus=cpus, gpus=gpus, nodes=[{"CPU": cpus, "GPU": gpus}])
+
+
+def _local_gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def connect(address: Optional[str], resources: Optional[Resources] = None) -> Resources:
+    """Start a private local Ray instance (address None) or join the cluster at `address`."""
+    import ray
+
+    os.environ.setdefault("RAY_DEDUP_LOGS", "1")
+    common = dict(logging_level=logging.ERROR, log_to_driver=False, configure_logging=True)
+    if address is None:
+        resources = resources or local_resources()
+        ray.init(
+            address="local",
+            num_cpus=int(resources.cpus),
+            num_gpus=int(resources.gpus),
+            include_dashboard=False,
+            **common,
+        )
+    else:
+        if TOKEN_FILE.is_file() or os.environ.get("RAY_AUTH_TOKEN"):
+            # An explicit address never switches token mode on by itself (see rllib-notes §8).
+            os.environ.setdefault("RAY_AUTH_MODE", "token")
+        try:
+            ray.init(address=address, **common)
+        except (ConnectionError, RuntimeError, ValueError) as exc:
+            raise UserError(f"cannot connect to the Ray cluster at {address!r}: {str(exc).splitlines()[0]}") from None
+    return cluster_resources()
+
+
+def cluster_resources() -> Resources:
+    import ray
+
+    nodes = [
+        {"CPU": float(n["Resources"].get("CPU", 0)), "GPU": float(n["Resources"].get("GPU", 0))}
+        for n in ray.nodes()
+        if n.get("Alive")
+    ]
+    totals = ray.cluster_resources()
+    return Resources(cpus=float(totals.get("CPU", 0)), gpus=float(totals.get("GPU", 0)), nodes=nodes)
+
+
+def size_to_cluster(config: ExperimentConfig, resources: Resources, explicit_keys: set[str]) -> ExperimentConfig:
+    """`--profile auto`: a GPU learner when there is a GPU, one learner per GPU when there are
+    several, env runners over the CPUs left. Keys given with --set are left as they are."""
+    scale = config.scale.model_copy()
+    hw = config.hardware.model_copy()
+
+    def choose(section, key: str, value) -> None:
+        if f"{'scale' if section is scale else 'hardware'}.{key}" not in explicit_keys:
+            setattr(section, key, value)
+
+    gpus = int(resources.gpus)
+    if gpus >= 2:
+        choose(scale, "learners", gpus)
+        choose(hw, "gpus_per_learner", 1)
+    elif gpus == 1:
+        choose(scale, "learners", 0)
+        choose(hw, "gpus_per_learner", 1)
+    learner_cpus = learner_cpu_demand(scale.learners, hw.cpus_per_learner, hw.gpus_per_learner, hw.driver_cpus)
+    free = resources.cpus - learner_cpus
+    if hw.cpus_per_env_runner > 0:
+        choose(scale, "env_runners", max(0, math.floor(free / hw.cpus_per_env_runner + 1e-9)))
+    sized = config.model_copy(update={"scale": scale, "hardware": hw})
+    return ExperimentConfig.model_validate(sized.model_dump())
+
+
+def learner_cpu_demand(learners: int, cpus_per_learner: float, gpus_per_learner: float, driver_cpus: float) -> float:
+    """CPUs taken by the main process and the learners (RLlib's own bundle rule)."""
+    if learners == 0:
+        # The learner lives in the main process; RLlib gives a GPU learner no CPU of its own.
+        return max(driver_cpus, 0 if gpus_per_learner else cpus_per_learner)
+    return driver_cpus + learners * cpus_per_learner
+
+
+def preflight(bundles: list[dict[str, float]], resources: Resources) -> None:
+    """Refuse, with the missing resource named, a request the cluster can never schedule."""
+    for kind, have in (("CPU", resources.cpus), ("GPU", resources.gpus)):
+        need = sum(b.get(kind, 0.0) for b in bundles)
+        if need > have + 1e-9:
+            raise UserError(
+                f"the run needs {need:g} {kind}s ({_breakdown(bundles, kind)}) but the cluster has {have:g} "
+                f"({resources.describe()}); lower scale/hardware or use --profile auto"
+            )
+    for bundle in bundles:
+        if not any(all(node.get(k, 0.0) + 1e-9 >= v for k, v in bundle.items() if k in ("CPU", "GPU")) for node in resources.nodes):
+            raise UserError(f"no node can hold a bundle of {_format_bundle(bundle)} ({resources.describe()})")
+
+
+def _breakdown(bundles: list[dict[str, float]], kind: str) -> str:
+    main, rest = bundles[0].get(kind, 0.0), [b.get(kind, 0.0) for b in bundles[1:]]
+    parts = [f"{main:g} main process"] + [f"{v:g}" for v in rest if v]
+    return " + ".join(parts)
+
+
+def _format_bundle(bundle: dict[str, float]) -> str:
+    return ", ".join(f"{v:g} {k}" for k, v in bundle.items() if k in ("CPU", "GPU"))
+
+
+def shutdown() -> None:
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()

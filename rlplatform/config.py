@@ -1,0 +1,221 @@
+"""The experiment schema: ours, versioned, validated once.
+
+An experiment file is YAML with the sections below. Profiles (``experiments/profiles``)
+overlay ``scale`` and ``hardware``; ``--set a.b=c`` overrides any key last.
+RLlib is not imported here: the adapter maps this schema onto ``AlgorithmConfig``.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from rlplatform.errors import UserError
+
+SCHEMA_VERSION = 1
+ALGORITHMS = ("PPO", "APPO", "IMPALA", "DQN", "SAC")
+DEFAULT_PROFILE = "auto"
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelSection(Section):
+    hidden: list[int] = Field(default_factory=lambda: [256, 256])
+    activation: Literal["tanh", "relu", "swish", "silu", "elu", "linear"] = "tanh"
+    vf_share_layers: bool = False
+    # CNN: list of [out_channels, kernel, stride] (RLlib's conv_filters); null = RLlib's default for the image size.
+    conv_filters: Optional[list[list[Union[int, list[int]]]]] = None
+    conv_activation: Literal["relu", "tanh", "swish", "silu", "elu", "linear"] = "relu"
+    use_lstm: bool = False
+    lstm_cell_size: int = Field(256, gt=0)
+    max_seq_len: int = Field(20, gt=0)
+    head_hidden: list[int] = Field(default_factory=list)
+
+
+class ScaleSection(Section):
+    env_runners: int = Field(1, ge=0)
+    envs_per_runner: int = Field(1, ge=1)
+    vectorize: Literal["sync", "async"] = "sync"
+    rollout_fragment_length: Union[int, Literal["auto"]] = "auto"
+    learners: int = Field(0, ge=0)
+    placement: Literal["pack", "spread", "strict_pack", "strict_spread"] = "pack"
+
+    @field_validator("rollout_fragment_length")
+    @classmethod
+    def _positive_fragment(cls, value: Union[int, str]) -> Union[int, str]:
+        if isinstance(value, int) and value <= 0:
+            raise ValueError("must be a positive integer or 'auto'")
+        return value
+
+
+class HardwareSection(Section):
+    driver_cpus: float = Field(1, ge=0)
+    cpus_per_env_runner: float = Field(1, ge=0)
+    gpus_per_env_runner: float = Field(0, ge=0)
+    cpus_per_learner: float = Field(1, ge=0)
+    gpus_per_learner: float = Field(0, ge=0)
+
+
+class StopSection(Section):
+    return_mean: Optional[float] = None
+    env_steps: Optional[int] = Field(None, gt=0)
+    iterations: Optional[int] = Field(None, gt=0)
+    wall_time_s: Optional[float] = Field(None, gt=0)
+
+
+class CheckpointSection(Section):
+    every: int = Field(10, ge=0)  # iterations; 0 = only at the end
+    keep_last: int = Field(3, ge=1)
+    keep_best: bool = True
+
+
+class EvaluationSection(Section):
+    interval: int = Field(0, ge=0)  # iterations; 0 = off
+    episodes: int = Field(10, ge=1)
+
+
+class ExperimentConfig(Section):
+    version: Literal[1] = SCHEMA_VERSION
+    name: str = Field("experiment", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+    algorithm: str = "PPO"
+    env: str = "CartPole-v1"
+    env_config: dict[str, Any] = Field(default_factory=dict)
+    profile: str = DEFAULT_PROFILE
+    seed: Optional[int] = 0
+    training: dict[str, Any] = Field(default_factory=dict)
+    model: ModelSection = Field(default_factory=ModelSection)
+    scale: ScaleSection = Field(default_factory=ScaleSection)
+    hardware: HardwareSection = Field(default_factory=HardwareSection)
+    stop: StopSection = Field(default_factory=StopSection)
+    checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
+    evaluation: EvaluationSection = Field(default_factory=EvaluationSection)
+    rllib: dict[str, dict[str, Any]] = Field(default_factory=dict)
+
+    @field_validator("algorithm")
+    @classmethod
+    def _known_algorithm(cls, value: str) -> str:
+        upper = value.upper()
+        if upper not in ALGORITHMS:
+            raise ValueError(f"unknown algorithm {value!r}{_suggest(upper, ALGORITHMS)}; known: {', '.join(ALGORITHMS)}")
+        return upper
+
+    def has_stop_criterion(self) -> bool:
+        return any(v is not None for v in self.stop.model_dump().values())
+
+
+def _suggest(word: str, choices) -> str:
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def read_yaml(path: Path, what: str = "experiment file") -> dict[str, Any]:
+    if not path.is_file():
+        raise UserError(f"{what} not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise UserError(f"malformed YAML in {path}{where}: {problem}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise UserError(f"{path}: the top level must be a mapping of sections, not {type(data).__name__}")
+    return data
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`a.b=c` -> (["a", "b"], c); the value is parsed as YAML."""
+    key, sep, raw = text.partition("=")
+    key = key.strip()
+    if not sep or not key or any(not part for part in key.split(".")):
+        raise UserError(f"bad --set {text!r}: expected KEY=VALUE, e.g. training.lr=1e-3")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError:
+        raise UserError(f"bad --set {text!r}: the value is not valid YAML") from None
+    return key.split("."), value
+
+
+def apply_override(data: dict[str, Any], path: list[str], value: Any) -> None:
+    node = data
+    for depth, part in enumerate(path[:-1]):
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise UserError(f"bad --set {'.'.join(path)}: {'.'.join(path[: depth + 1])} is not a section")
+        node = child
+    node[path[-1]] = value
+
+
+def deep_merge(base: dict[str, Any], overlay: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in overlay.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def validate(data: dict[str, Any], source: str = "config") -> ExperimentConfig:
+    try:
+        return ExperimentConfig.model_validate(data)
+    except ValidationError as exc:
+        raise UserError(describe_validation_error(exc, data, source)) from None
+
+
+def describe_validation_error(exc: ValidationError, data: dict[str, Any], source: str) -> str:
+    err = exc.errors()[0]
+    loc = [str(p) for p in err["loc"]]
+    key = ".".join(loc)
+    if err["type"] == "extra_forbidden":
+        section_model = _model_at(loc[:-1])
+        known = list(section_model.model_fields) if section_model else []
+        return f"{source}: unknown key {key!r}{_suggest(loc[-1], known)}"
+    value = _value_at(data, loc)
+    msg = err["msg"].removeprefix("Value error, ")
+    shown = f" = {value!r}" if value is not _MISSING else ""
+    return f"{source}: {key}{shown}: {msg}"
+
+
+_MISSING = object()
+
+
+def _value_at(data: Any, loc: list[str]) -> Any:
+    node = data
+    for part in loc:
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return _MISSING
+    return node
+
+
+def _model_at(loc: list[str]) -> Optional[type[BaseModel]]:
+    model: type[BaseModel] = ExperimentConfig
+    for part in loc:
+        field = model.model_fields.get(part)
+        annotation = field.annotation if field else None
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return None
+        model = annotation
+    return model
+
+
+def to_yaml(config: ExperimentConfig) -> str:
+    # Python mode keeps floats such as .inf (JSON mode would turn them into null).
+    return yaml.safe_dump(config.model_dump(), sort_keys=False)

@@ -1,0 +1,5 @@
+"""The one exception type that the CLI turns into `error: ...` and exit code 2."""
+
+
+class UserError(Exception):
+    """Bad input from the user: printed as one line, never as a traceback."""

@@ -1,0 +1,50 @@
+"""One compact line per iteration, and a summary at the end (rich)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+from rich.console import Console
+
+console = Console(highlight=False, soft_wrap=True)
+
+
+def _fmt(value: Optional[float], spec: str, missing: str = "-") -> str:
+    return missing if value is None else format(value, spec)
+
+
+def iteration_line(m: dict[str, Any], expected_runners: int) -> str:
+    healthy = m.get("faults/healthy_env_runners")
+    runners = f"{int(healthy)}/{expected_runners}" if healthy is not None and expected_runners else "local"
+    return (
+        f"[bold]it {m['iteration']:>4}[/]  steps {m['env_steps']:>9,}  "
+        f"return [cyan]{_fmt(m.get('return/mean'), '8.2f', '       -')}[/]  "
+        f"{_fmt(m.get('throughput/env_steps_sampled_per_s'), '7,.0f')} steps/s  "
+        f"sample {_fmt(m.get('time/sample_s'), '5.2f')}s learn {_fmt(m.get('time/learn_s'), '5.2f')}s  "
+        f"runners {runners}"
+        + (f"  eval {_fmt(m.get('eval/return_mean'), '.2f')}" if "eval/return_mean" in m else "")
+    )
+
+
+def print_iteration(m: dict[str, Any], expected_runners: int) -> None:
+    console.print(iteration_line(m, expected_runners))
+
+
+def print_start(run_dir: Path, describe: str) -> None:
+    console.print(f"[bold]rlplatform[/] {describe}")
+    console.print(f"run directory: {run_dir}")
+
+
+def print_summary(run_dir: Path, reason: str, last: Optional[dict[str, Any]], checkpoint: Optional[Path], wall_s: float) -> None:
+    console.rule("done")
+    console.print(f"stopped: {reason} after {wall_s:.1f} s")
+    if last:
+        console.print(
+            f"iterations {last['iteration']}, env steps {last['env_steps']:,}, "
+            f"return (last 100 episodes) {_fmt(last.get('return/mean'), '.2f')}"
+        )
+    if checkpoint:
+        console.print(f"checkpoint: {checkpoint}")
+    console.print(f"run directory: {run_dir}")
+    console.print(f"TensorBoard: tensorboard --logdir {run_dir}")

@@ -1,0 +1,245 @@
+"""`rlplatform train`: resolve, check, size, start Ray, train, log, checkpoint, stop.
+
+Read top to bottom: `run` prepares everything that can fail on bad input before Ray starts,
+then `train_loop` drives the Algorithm (held by an actor in the run's placement group).
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from rlplatform import cluster, progress, rundir
+from rlplatform.checkpoints import CheckpointInfo, CheckpointManager, latest_checkpoint
+from rlplatform.config import ExperimentConfig, apply_override, parse_override, read_yaml, to_yaml, validate
+from rlplatform.errors import UserError
+from rlplatform.experiment import ResolvedExperiment, resolve_experiment
+
+PLACEMENT_TIMEOUT_S = 60.0
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("train", help="train an experiment file on Ray RLlib")
+    p.add_argument("experiment", nargs="?", type=Path, help="experiment YAML (default: experiments/cartpole_ppo.yaml)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override any key, e.g. --set training.lr=1e-3 (value parsed as YAML)")
+    p.add_argument("--profile", help="scale/hardware profile: auto (default), laptop, workstation-1gpu, multi-gpu, cluster, or a YAML path")
+    p.add_argument("--address", help="run on an existing Ray cluster (auto or HOST:PORT); default: a private local instance")
+    p.add_argument("--resume", type=Path, metavar="RUN_DIR", help="continue a run from its newest complete checkpoint")
+    p.add_argument("--runs-dir", type=Path, default=Path("runs"), help="root of run directories (default: runs)")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    p.set_defaults(func=run)
+
+
+@dataclass
+class Plan:
+    """Everything decided before training starts."""
+
+    config: ExperimentConfig
+    resources: cluster.Resources
+    bundles: list[dict[str, float]]
+    main_process_resources: dict[str, float] = field(default_factory=dict)
+    resume_from: Optional[CheckpointInfo] = None
+    run_dir: Optional[Path] = None
+
+
+def run(args: argparse.Namespace) -> int:
+    resolved = _resolve(args)
+    if not args.resume:
+        rundir.check_writable(args.runs_dir)
+    connected = False
+    try:
+        if args.address:
+            resources = cluster.connect(args.address)
+            connected = True
+        else:
+            resources = cluster.local_resources()
+        plan = _plan(resolved, resources, pin_to_driver_node=bool(args.address), resize=not args.resume)
+        if args.resume:
+            plan.run_dir = args.resume
+            plan.resume_from = _checkpoint_to_resume(args.resume)
+        if args.print_config:
+            print(to_yaml(plan.config), end="")
+            return 0
+        if plan.run_dir is None:
+            plan.run_dir = rundir.new_run_dir(args.runs_dir, plan.config.name)
+        rundir.write_config(plan.run_dir, plan.config)
+        rundir.write_manifest(plan.run_dir, plan.config, {"resources": vars(plan.resources), "bundles": plan.bundles,
+                                                         "address": args.address, "resumed_from": str(plan.resume_from.path) if plan.resume_from else None})
+        if not connected:
+            cluster.connect(None, plan.resources)
+            connected = True
+        return train_loop(plan)
+    finally:
+        if connected:
+            cluster.shutdown()
+
+
+def _resolve(args: argparse.Namespace) -> ResolvedExperiment:
+    if not args.resume:
+        return resolve_experiment(args.experiment, args.overrides, args.profile)
+    if args.experiment is not None or args.profile is not None:
+        raise UserError("--resume takes its config from the run directory; give --set to change it, not an experiment or --profile")
+    config_path = args.resume / rundir.CONFIG_FILE
+    if not args.resume.is_dir():
+        raise UserError(f"run directory not found: {args.resume}")
+    data = read_yaml(config_path, what="run config")
+    for text in args.overrides:
+        apply_override(data, *parse_override(text))
+    return ResolvedExperiment(config=validate(data, source=str(config_path)), source=config_path)
+
+
+def _plan(resolved: ResolvedExperiment, resources: cluster.Resources, pin_to_driver_node: bool, resize: bool) -> Plan:
+    from rlplatform import rllib_adapter
+
+    config = resolved.config
+    rllib_adapter.check(config)
+    if config.profile == "auto" and resize:  # a resumed run keeps the size it was started with
+        config = cluster.size_to_cluster(config, resources, resolved.explicit_keys)
+    main_resources = _driver_node_resource() if pin_to_driver_node else {}
+    bundles = rllib_adapter.resource_bundles(rllib_adapter.build_algorithm_config(config, main_resources))
+    cluster.preflight(bundles, resources)
+    return Plan(config=config, resources=resources, bundles=bundles, main_process_resources=main_resources)
+
+
+def _driver_node_resource() -> dict[str, float]:
+    """Pin the algorithm (and its checkpoints) to the driver's node, when the driver is a cluster node."""
+    import ray
+
+    key = f"node:{ray.util.get_node_ip_address()}"
+    return {key: 0.001} if key in ray.cluster_resources() else {}
+
+
+def _checkpoint_to_resume(run_dir: Path) -> CheckpointInfo:
+    from rlplatform.rllib_adapter import load_inference_module
+
+    info = latest_checkpoint(run_dir)
+    load_inference_module(info.path)  # a torn or corrupt checkpoint fails here, before Ray starts
+    return info
+
+
+# ----------------------------------------------------------------------------- the loop
+
+
+class StopFlag:
+    """SIGINT/SIGTERM: finish the iteration, checkpoint, exit 0. A second Ctrl-C aborts."""
+
+    def __init__(self) -> None:
+        self.reason: Optional[str] = None
+        self._previous = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def _handle(self, signum, _frame) -> None:
+        if self.reason is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.reason = signal.Signals(signum).name
+        progress.console.print(f"[yellow]{self.reason}: finishing this iteration, then checkpointing[/]")
+
+    def restore(self) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+
+
+def _start_algorithm(plan: Plan):
+    import ray
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from rlplatform.algorithm_host import AlgorithmHost
+
+    main_bundle = {**plan.bundles[0], **plan.main_process_resources}
+    pg = placement_group([main_bundle, *plan.bundles[1:]], strategy=plan.config.scale.placement.upper())
+    try:
+        ray.get(pg.ready(), timeout=PLACEMENT_TIMEOUT_S)
+    except ray.exceptions.GetTimeoutError:
+        raise UserError(
+            f"Ray could not place the run's actors within {PLACEMENT_TIMEOUT_S:.0f} s "
+            f"(bundles {plan.bundles}, cluster {plan.resources.describe()}, placement {plan.config.scale.placement})"
+        ) from None
+    host = ray.remote(AlgorithmHost).options(
+        num_cpus=main_bundle.get("CPU", 0),
+        num_gpus=main_bundle.get("GPU", 0),
+        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0,
+                                                             placement_group_capture_child_tasks=True),
+    ).remote(plan.config, plan.main_process_resources)
+    return host, pg
+
+
+def _stop_reason(config: ExperimentConfig, m: dict[str, Any], window_full: bool, wall_s: float) -> Optional[str]:
+    stop = config.stop
+    if stop.return_mean is not None and window_full and m.get("return/mean", float("-inf")) >= stop.return_mean:
+        return f"return/mean {m['return/mean']:.2f} >= {stop.return_mean:g}"
+    if stop.env_steps is not None and m["env_steps"] >= stop.env_steps:
+        return f"env steps {m['env_steps']:,} >= {stop.env_steps:,}"
+    if stop.iterations is not None and m["iteration"] >= stop.iterations:
+        return f"iterations {m['iteration']} >= {stop.iterations}"
+    if stop.wall_time_s is not None and wall_s >= stop.wall_time_s:
+        return f"wall time {wall_s:.0f} s >= {stop.wall_time_s:g} s"
+    return None
+
+
+def train_loop(plan: Plan) -> int:
+    import ray
+
+    from rlplatform.metrics import EpisodeWindow, RunLogger
+
+    config, run_dir = plan.config, plan.run_dir
+    started = time.time()
+    stop_flag = StopFlag()
+    progress.print_start(run_dir, f"{config.algorithm} on {config.env}: {config.scale.env_runners} env runners x "
+                                  f"{config.scale.envs_per_runner} envs, {config.scale.learners or 'local'} learner(s), "
+                                  f"{plan.resources.describe()}")
+    host, pg = _start_algorithm(plan)
+    window, wall_before = EpisodeWindow(), 0.0
+    if plan.resume_from:
+        ray.get(host.restore.remote(str(plan.resume_from.path.resolve())))
+        window = EpisodeWindow.from_state(plan.resume_from.meta.get("episode_window"))
+        wall_before = float(plan.resume_from.meta.get("wall_time_s", 0.0))
+        progress.console.print(f"resumed from {plan.resume_from.path} (iteration {plan.resume_from.iteration})")
+    checkpoints = CheckpointManager(run_dir / "checkpoints", config.checkpoint.keep_last, config.checkpoint.keep_best)
+    logger = RunLogger(run_dir)
+    last: Optional[dict[str, Any]] = None
+    saved: Optional[Path] = None
+    reason = None
+    try:
+        while reason is None:
+            m = ray.get(host.train.remote())
+            window.add(m.pop("episode_returns"), m.pop("episode_lengths"))
+            wall_s = wall_before + time.time() - started
+            m.update(window.summary(), wall_time_s=wall_s, timestamp=time.time())
+            logger.log(m)
+            progress.print_iteration(m, config.scale.env_runners)
+            last = m
+            reason = _stop_reason(config, m, window.full, wall_s) or stop_flag.reason
+            every = config.checkpoint.every
+            if reason is not None or (every and m["iteration"] % every == 0):
+                saved = checkpoints.save(
+                    lambda path: ray.get(host.save.remote(path)),
+                    iteration=m["iteration"], env_steps=m["env_steps"], score=_score(m),
+                    meta={"wall_time_s": wall_s, "episode_window": window.state(), "config": config.model_dump()},
+                )
+    finally:
+        stop_flag.restore()
+        logger.close()
+        _stop_quietly(host, pg)
+    progress.print_summary(run_dir, reason, last, saved, time.time() - started)
+    return 0
+
+
+def _score(m: dict[str, Any]) -> Optional[float]:
+    return m.get("eval/return_mean", m.get("return/mean"))
+
+
+def _stop_quietly(host, pg) -> None:
+    import ray
+    from ray.util.placement_group import remove_placement_group
+
+    try:
+        ray.get(host.stop.remote(), timeout=30)
+    except Exception:  # the run is over either way; never hide the real result behind a stop error
+        pass
+    ray.kill(host)
+    remove_placement_group(pg)
