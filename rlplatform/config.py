@@ -8,6 +8,7 @@ RLlib is not imported here: the adapter maps this schema onto ``AlgorithmConfig`
 from __future__ import annotations
 
 import difflib
+import re
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
@@ -117,11 +118,33 @@ def _suggest(word: str, choices) -> str:
 # ----------------------------------------------------------------------------- loading
 
 
+class _Loader(yaml.SafeLoader):
+    """PyYAML reads `1e-3` as a string (YAML 1.1); hyper-parameters are written that way, so accept it as a float."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(
+        r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+        |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+        |\.[0-9_]+(?:[eE][-+][0-9]+)?
+        |[-+]?\.(?:inf|Inf|INF)
+        |\.(?:nan|NaN|NAN))$""",
+        re.X,
+    ),
+    list("-+0123456789."),
+)
+
+
+def load_yaml_text(text: str) -> Any:
+    return yaml.load(text, Loader=_Loader)
+
+
 def read_yaml(path: Path, what: str = "experiment file") -> dict[str, Any]:
     if not path.is_file():
         raise UserError(f"{what} not found: {path}")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = load_yaml_text(path.read_text())
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -141,7 +164,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if not sep or not key or any(not part for part in key.split(".")):
         raise UserError(f"bad --set {text!r}: expected KEY=VALUE, e.g. training.lr=1e-3")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else None
+        value = load_yaml_text(raw) if raw.strip() else None
     except yaml.YAMLError:
         raise UserError(f"bad --set {text!r}: the value is not valid YAML") from None
     return key.split("."), value
