@@ -7,6 +7,7 @@ joins a cluster that `ray start` left on the host. Token authentication stays on
 from __future__ import annotations
 
 import logging
+from collections import Counter
 import math
 import os
 from dataclasses import dataclass, field
@@ -44,6 +45,13 @@ def _local_gpu_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def use_token_auth_for_address() -> None:
+    """A driver joining a cluster by explicit address sends the token only in token mode, and Ray
+    reads the mode when it is imported: call before `import ray`."""
+    if TOKEN_FILE.is_file() or os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH"):
+        os.environ.setdefault("RAY_AUTH_MODE", "token")
+
+
 def connect(address: Optional[str], resources: Optional[Resources] = None) -> Resources:
     """Start a private local Ray instance (address None) or join the cluster at `address`."""
     import ray
@@ -60,9 +68,6 @@ def connect(address: Optional[str], resources: Optional[Resources] = None) -> Re
             **common,
         )
     else:
-        if TOKEN_FILE.is_file() or os.environ.get("RAY_AUTH_TOKEN"):
-            # An explicit address never switches token mode on by itself (see rllib-notes §8).
-            os.environ.setdefault("RAY_AUTH_MODE", "token")
         try:
             ray.init(address=address, **common)
         except (ConnectionError, RuntimeError, ValueError) as exc:
@@ -130,9 +135,9 @@ def preflight(bundles: list[dict[str, float]], resources: Resources) -> None:
 
 
 def _breakdown(bundles: list[dict[str, float]], kind: str) -> str:
-    main, rest = bundles[0].get(kind, 0.0), [b.get(kind, 0.0) for b in bundles[1:]]
-    parts = [f"{main:g} main process"] + [f"{v:g}" for v in rest if v]
-    return " + ".join(parts)
+    """`1 main process + 64 actors x 1`: the main process, then the env runners and learners grouped by size."""
+    sizes = Counter(b.get(kind, 0.0) for b in bundles[1:] if b.get(kind, 0.0))
+    return " + ".join([f"{bundles[0].get(kind, 0.0):g} main process"] + [f"{n} actors x {v:g}" for v, n in sizes.items()])
 
 
 def _format_bundle(bundle: dict[str, float]) -> str:

@@ -83,10 +83,14 @@ def check(config: ExperimentConfig) -> str:
     return runner_env_id(config.env)
 
 
-def _record_episode(*, episode, metrics_logger, **_: Any) -> None:
-    """Every finished episode's return and length, so the driver can keep an exact 100-episode window."""
-    metrics_logger.log_value(EPISODE_RETURNS, float(episode.get_return()), reduce="item_series")
-    metrics_logger.log_value(EPISODE_LENGTHS, int(len(episode)), reduce="item_series")
+def _record_episode(*, episode, metrics_logger, prev_episode_chunks=(), **_: Any) -> None:
+    """Every finished episode's return and length, so the driver can keep an exact 100-episode window.
+
+    An episode longer than a rollout fragment arrives in chunks; the earlier ones come separately.
+    """
+    chunks = [*prev_episode_chunks, episode]
+    metrics_logger.log_value(EPISODE_RETURNS, float(sum(c.get_return() for c in chunks)), reduce="item_series")
+    metrics_logger.log_value(EPISODE_LENGTHS, int(sum(len(c) for c in chunks)), reduce="item_series")
 
 
 def model_config(config: ExperimentConfig):
@@ -161,7 +165,7 @@ def resource_bundles(algo_config) -> list[dict[str, float]]:
 
 
 def quiet_rllib_logs() -> None:
-    for name in ("ray.rllib", "ray.tune", "ray.train", "ray.util", "ray.data"):
+    for name in ("ray.rllib", "ray.tune", "ray.train", "ray.util", "ray.data", "ray._common.deprecation"):
         logging.getLogger(name).setLevel(logging.ERROR)
 
 
@@ -201,6 +205,7 @@ def load_inference_module(checkpoint: Path, module_id: Optional[str] = None):
     from ray.rllib.core import DEFAULT_MODULE_ID
     from ray.rllib.core.rl_module.rl_module import RLModule
 
+    quiet_rllib_logs()
     module_id = module_id or DEFAULT_MODULE_ID
     module_dir = (checkpoint / RL_MODULE_SUBDIR / module_id).resolve()  # pyarrow rejects relative paths
     if not module_dir.is_dir():

@@ -48,6 +48,8 @@ class Plan:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.address:
+        cluster.use_token_auth_for_address()
     resolved = _resolve(args)
     if not args.resume:
         rundir.check_writable(args.runs_dir)

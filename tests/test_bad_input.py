@@ -1,0 +1,122 @@
+"""Bad input: exit code 2, one line `error: ...` naming the problem, no traceback, nothing lost.
+
+Each case runs the real CLI in its own process; none of them gets as far as starting Ray.
+"""
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, assert_user_error, run_cli
+
+DEFAULT = ROOT / "experiments" / "cartpole_ppo.yaml"
+
+
+def tree_digest(path: Path) -> str:
+    digest = hashlib.sha256()
+    for f in sorted(path.rglob("*")):
+        digest.update(str(f.relative_to(path)).encode())
+        if f.is_file():
+            digest.update(f.read_bytes())
+    return digest.hexdigest()
+
+
+@pytest.fixture
+def existing_run(runs: Path) -> Path:
+    """A run directory written earlier: no bad command may touch it."""
+    run_dir = runs / "cartpole-ppo" / "2026-01-01_00-00-00"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    (run_dir / "config.yaml").write_text(DEFAULT.read_text())
+    (run_dir / "metrics.jsonl").write_text('{"iteration": 1}\n')
+    return run_dir
+
+
+def corrupt_checkpoint(run_dir: Path) -> Path:
+    """A checkpoint whose marker and layout look complete but whose weights are garbage."""
+    ckpt = run_dir / "checkpoints" / "checkpoint_000001"
+    module = ckpt / "learner_group" / "learner" / "rl_module" / "default_policy"
+    module.mkdir(parents=True)
+    (ckpt / "rllib_checkpoint.json").write_text("{}")
+    (module / "module_state.pkl").write_bytes(b"not a pickle")
+    (module / "class_and_ctor_args.pkl").write_bytes(b"\x80\x04garbage")
+    (module / "metadata.json").write_text("{}")
+    config = {"name": "cartpole-ppo", "algorithm": "PPO", "env": "CartPole-v1"}
+    (ckpt / "rlplatform_checkpoint.json").write_text(json.dumps({"iteration": 1, "env_steps": 10, "config": config}))
+    return ckpt
+
+
+CASES = {
+    "unknown key with suggestion": (["--set", "scale.env_runner=2"], ["unknown key 'scale.env_runner'", "env_runners"]),
+    "wrong type": (["--set", "scale.env_runners=many"], ["scale.env_runners", "'many'"]),
+    "out of range": (["--set", "scale.envs_per_runner=0"], ["scale.envs_per_runner", "0"]),
+    "unknown algorithm": (["--set", "algorithm=PPPO"], ["unknown algorithm 'PPPO'", "PPO"]),
+    "unknown env id": (["--set", "env=CartPol-v1"], ["unknown env id 'CartPol-v1'", "CartPole-v1"]),
+    "unknown hyper-parameter": (["--set", "training.lrr=0.1"], ["training.lrr", "'lr'"]),
+    "unknown rllib pass-through": (["--set", "rllib.env_runner={num_env_runners: 1}"], ["rllib.env_runner", "env_runners"]),
+    "more GPUs than exist": (["--set", "hardware.gpus_per_learner=1"], ["GPU"]),
+    "more CPUs than exist": (["--set", "scale.env_runners=64", "--profile", "laptop"], ["CPU", "64"]),
+    "bad --set": (["--set", "training.lr"], ["bad --set", "KEY=VALUE"]),
+    "bad --set value": (["--set", "training.lr=[1"], ["bad --set", "YAML"]),
+    "unknown profile": (["--profile", "supercomputer"], ["unknown profile 'supercomputer'", "laptop"]),
+    "missing experiment file": (["experiments/nope.yaml"], ["not found", "nope.yaml"]),
+}
+
+
+@pytest.mark.parametrize("args,fragments", list(CASES.values()), ids=list(CASES))
+def test_bad_train_input(args, fragments, runs, existing_run):
+    before = tree_digest(runs)
+    assert_user_error(run_cli("train", *args, "--runs-dir", runs), *fragments)
+    assert tree_digest(runs) == before
+
+
+def test_malformed_yaml_names_file_and_line(tmp_path, runs, existing_run):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("algorithm: PPO\ntraining:\n  lr: [0.1\n")
+    before = tree_digest(runs)
+    assert_user_error(run_cli("train", bad, "--runs-dir", runs), "malformed YAML", "bad.yaml", "line")
+    assert tree_digest(runs) == before
+
+
+def test_unknown_top_level_key_in_file(tmp_path, runs):
+    bad = tmp_path / "typo.yaml"
+    bad.write_text("algorithm: PPO\ntrainig:\n  lr: 0.1\n")
+    assert_user_error(run_cli("train", bad, "--runs-dir", runs), "unknown key 'trainig'", "'training'")
+
+
+def test_unwritable_output_directory(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert_user_error(run_cli("train", "--runs-dir", blocker / "runs"), "not writable", str(blocker / "runs"))
+
+
+def test_resume_missing_run_dir(tmp_path):
+    assert_user_error(run_cli("train", "--resume", tmp_path / "no-such-run"), "not found", "no-such-run")
+
+
+def test_resume_without_checkpoint(runs, existing_run):
+    before = tree_digest(runs)
+    assert_user_error(run_cli("train", "--resume", existing_run), "no complete checkpoint")
+    assert tree_digest(runs) == before
+
+
+def test_resume_corrupt_checkpoint(runs, existing_run):
+    corrupt_checkpoint(existing_run)
+    before = tree_digest(runs)
+    assert_user_error(run_cli("train", "--resume", existing_run), "cannot be loaded", "checkpoint_000001")
+    assert tree_digest(runs) == before
+
+
+def test_evaluate_missing_checkpoint(tmp_path):
+    assert_user_error(run_cli("evaluate", tmp_path / "gone"), "no such run directory or checkpoint")
+
+
+def test_evaluate_corrupt_checkpoint(runs, existing_run):
+    ckpt = corrupt_checkpoint(existing_run)
+    assert_user_error(run_cli("evaluate", ckpt, "--episodes", "1"), "cannot be loaded")
+
+
+def test_unknown_verb_and_flag():
+    assert_user_error(run_cli("trian"), "invalid choice")
+    assert_user_error(run_cli("train", "--nope"), "--nope")

@@ -1,0 +1,55 @@
+"""`--profile auto` sizing and the pre-flight check, on cluster descriptions of several sizes."""
+
+import pytest
+
+from rlplatform.cluster import Resources, preflight, size_to_cluster
+from rlplatform.errors import UserError
+from rlplatform.experiment import resolve_experiment
+
+
+def sized(cpus: float, gpus: float, overrides=()):
+    resolved = resolve_experiment(None, list(overrides))
+    nodes = [{"CPU": cpus, "GPU": gpus}]
+    return size_to_cluster(resolved.config, Resources(cpus, gpus, nodes), resolved.explicit_keys)
+
+
+def test_laptop_gets_one_runner_and_a_local_cpu_learner():
+    config = sized(2, 0)
+    assert (config.scale.env_runners, config.scale.learners, config.hardware.gpus_per_learner) == (1, 0, 0)
+
+
+def test_one_gpu_gets_a_local_gpu_learner_and_runners_on_every_other_core():
+    config = sized(16, 1)
+    assert (config.scale.env_runners, config.scale.learners, config.hardware.gpus_per_learner) == (15, 0, 1)
+
+
+def test_several_gpus_get_one_learner_each():
+    config = sized(32, 4)
+    assert (config.scale.learners, config.hardware.gpus_per_learner) == (4, 1)
+    assert config.scale.env_runners == 32 - 1 - 4  # main process + one CPU per learner
+
+
+def test_several_cpu_learners_asked_for_are_kept():
+    config = sized(8, 0, ["scale.learners=2"])
+    assert config.scale.learners == 2
+    assert config.scale.env_runners == 8 - 1 - 2
+
+
+def test_explicit_keys_are_not_resized():
+    config = sized(16, 0, ["scale.env_runners=3"])
+    assert config.scale.env_runners == 3
+
+
+def test_preflight_names_the_missing_resource():
+    cluster = Resources(2, 0, [{"CPU": 2, "GPU": 0}])
+    with pytest.raises(UserError, match="needs 1 GPUs"):
+        preflight([{"CPU": 1, "GPU": 1}], cluster)
+    with pytest.raises(UserError, match="needs 4 CPUs"):
+        preflight([{"CPU": 1}, {"CPU": 1}, {"CPU": 1}, {"CPU": 1}], cluster)
+    preflight([{"CPU": 1}, {"CPU": 1}], cluster)
+
+
+def test_preflight_refuses_a_bundle_no_single_node_holds():
+    cluster = Resources(8, 2, [{"CPU": 4, "GPU": 0}, {"CPU": 4, "GPU": 0}, {"CPU": 0, "GPU": 2}])
+    with pytest.raises(UserError, match="no node can hold"):
+        preflight([{"CPU": 1}, {"CPU": 2, "GPU": 1}], cluster)

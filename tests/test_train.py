@@ -1,0 +1,108 @@
+"""Real training through the CLI: every algorithm with remote env runners, the run directory,
+resume, Ctrl-C, evaluate with video. The algorithm runs share one Ray head per module."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, only_run_dir, run_cli
+
+TINY = ["--set", "stop.iterations=2", "--set", "checkpoint.every=1", "--set", "scale.env_runners=1"]
+ALGORITHMS = {
+    "PPO": ["--set", "training.train_batch_size_per_learner=500"],
+    "APPO": ["--set", "training={}"],
+    "IMPALA": ["--set", "training={}"],
+    "DQN": ["--set", "training={num_steps_sampled_before_learning_starts: 200}"],
+    "SAC": ["--set", "env=Pendulum-v1", "--set", "training={num_steps_sampled_before_learning_starts: 200}"],
+}
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("algorithm", list(ALGORITHMS))
+def test_two_iterations_with_remote_runners(algorithm, ray_head, runs):
+    name = f"smoke-{algorithm.lower()}"
+    result = run_cli("train", "--address", ray_head.address, "--runs-dir", runs, "--set", f"algorithm={algorithm}",
+                     "--set", f"name={name}", *TINY, *ALGORITHMS[algorithm], timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    run_dir = only_run_dir(runs, name)
+
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert {"command", "versions", "host", "resources", "seed"} <= set(manifest)
+    assert manifest["versions"]["ray"] == "2.60.0"
+    assert "algorithm: " + algorithm in (run_dir / "config.yaml").read_text()
+
+    rows = read_metrics(run_dir)
+    assert [r["iteration"] for r in rows] == [1, 2]
+    assert rows[1]["env_steps"] > rows[0]["env_steps"] > 0
+    for key in ("throughput/env_steps_sampled_per_s", "time/iteration_s", "faults/healthy_env_runners"):
+        assert key in rows[1], sorted(rows[1])
+    assert rows[1]["faults/healthy_env_runners"] == 1.0  # a remote runner really sampled
+    assert any(k.startswith("learner/default_policy/") for k in rows[1])
+    assert list(run_dir.glob("events.out.tfevents.*"))
+    checkpoints = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert checkpoints == ["checkpoint_000001", "checkpoint_000002"]
+
+
+def test_resume_continues_counters_in_the_same_run(ray_head, runs):
+    first = run_cli("train", "--address", ray_head.address, "--runs-dir", runs, "--set", "name=resume", *TINY,
+                    "--set", "training.train_batch_size_per_learner=500", timeout=300)
+    assert first.returncode == 0, first.stdout + first.stderr
+    run_dir = only_run_dir(runs, "resume")
+    second = run_cli("train", "--address", ray_head.address, "--resume", run_dir, "--set", "stop.iterations=4", timeout=300)
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert only_run_dir(runs, "resume") == run_dir
+    rows = read_metrics(run_dir)
+    assert [r["iteration"] for r in rows] == [1, 2, 3, 4]
+    steps = [r["env_steps"] for r in rows]
+    assert steps == sorted(steps) and steps[2] > steps[1]
+    assert rows[2]["episodes/total"] > rows[1]["episodes/total"]  # the episode window came back too
+    assert len(list(run_dir.glob("events.out.tfevents.*"))) == 2  # both sessions log into the same run
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert len(manifest["resumes"]) == 1
+    kept = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert kept[-1] == "checkpoint_000004" and len(kept) <= 4
+
+
+def test_ctrl_c_checkpoints_and_exits_0_then_evaluate_records_video(runs, tmp_path):
+    """A private local Ray instance (no --address): SIGINT mid-run, then evaluate the checkpoint it left."""
+    cmd = [sys.executable, "-m", "rlplatform", "train", "--runs-dir", str(runs), "--set", "name=sigint",
+           "--set", "stop.iterations=1000", "--set", "checkpoint.every=0", "--set", "training.train_batch_size_per_learner=500"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 180
+        metrics = None
+        while time.time() < deadline and proc.poll() is None:
+            found = list(runs.glob("sigint/*/metrics.jsonl"))
+            if found and found[0].read_text().count("\n") >= 2:
+                metrics = found[0]
+                break
+            time.sleep(0.5)
+        assert metrics is not None, proc.communicate(timeout=30)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out + err
+    assert "SIGINT" in out
+    run_dir = metrics.parent
+    checkpoints = list((run_dir / "checkpoints").glob("checkpoint_*"))
+    assert len(checkpoints) == 1 and not list((run_dir / "checkpoints").glob(".partial-*"))
+
+    videos = tmp_path / "videos"
+    result = run_cli("evaluate", run_dir, "--episodes", "2", "--video", videos, "--json", tmp_path / "eval.json")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "2 episodes: return" in result.stdout and "±" in result.stdout
+    report = json.loads((tmp_path / "eval.json").read_text())
+    assert len(report["returns"]) == 2 and all(r > 0 for r in report["returns"])
+    mp4s = sorted(videos.glob("*.mp4"))
+    assert len(mp4s) == 2 and all(p.stat().st_size > 1000 for p in mp4s)
+    assert mp4s[0].read_bytes()[4:8] == b"ftyp"  # a real MP4 container
