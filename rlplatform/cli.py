@@ -9,9 +9,10 @@ import warnings
 from typing import Optional, Sequence
 
 from rlplatform import __version__
-from rlplatform.errors import UserError
+from rlplatform.errors import TrainingFailed, UserError
 
 EXIT_USAGE = 2
+EXIT_FAILURE = 1
 
 
 class _Parser(argparse.ArgumentParser):
@@ -51,6 +52,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except TrainingFailed as exc:
+        print(f"error: training failed: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 130

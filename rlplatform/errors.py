@@ -3,3 +3,7 @@
 
 class UserError(Exception):
     """Bad input from the user: printed as one line, never as a traceback."""
+
+
+class TrainingFailed(Exception):
+    """The algorithm failed mid-run (exit 1); the checkpoints written so far stay."""

@@ -39,6 +39,13 @@ def _get(tree: dict[str, Any], *path: str) -> Any:
     return tree
 
 
+def _as_list(series: Any) -> list:
+    """RLlib's item series reduces a single item to the bare item."""
+    if series is None:
+        return []
+    return list(series) if isinstance(series, (list, tuple, deque)) else [series]
+
+
 def from_rllib_result(result: dict[str, Any], epochs_per_batch: int = 1) -> dict[str, Any]:
     """Flatten one `Algorithm.train()` result into our names (runs inside the algorithm host).
 
@@ -56,8 +63,8 @@ def from_rllib_result(result: dict[str, Any], epochs_per_batch: int = 1) -> dict
     out: dict[str, Any] = {
         "iteration": int(result.get("training_iteration", 0)),
         ENV_STEPS: int(_number(result.get("num_env_steps_sampled_lifetime")) or _number(runners.get("num_env_steps_sampled_lifetime")) or 0),
-        "episode_returns": [float(x) for x in runners.get(EPISODE_RETURNS) or []],
-        "episode_lengths": [int(x) for x in runners.get(EPISODE_LENGTHS) or []],
+        "episode_returns": [float(x) for x in _as_list(runners.get(EPISODE_RETURNS))],
+        "episode_lengths": [int(x) for x in _as_list(runners.get(EPISODE_LENGTHS))],
         "throughput/env_steps_sampled_per_s": sampled / iteration_s if iteration_s else None,
         # Honest count: RLlib's num_env_steps_trained is inflated by minibatches x epochs,
         # its num_module_steps_trained by epochs.

@@ -16,7 +16,7 @@ from typing import Any, Optional
 from rlplatform import cluster, progress, rundir
 from rlplatform.checkpoints import CheckpointInfo, CheckpointManager, latest_checkpoint
 from rlplatform.config import ExperimentConfig, apply_override, parse_override, read_yaml, to_yaml, validate
-from rlplatform.errors import UserError
+from rlplatform.errors import TrainingFailed, UserError
 from rlplatform.experiment import ResolvedExperiment, resolve_experiment
 
 PLACEMENT_TIMEOUT_S = 60.0
@@ -208,7 +208,10 @@ def train_loop(plan: Plan) -> int:
     reason = None
     try:
         while reason is None:
-            m = ray.get(host.train.remote())
+            try:
+                m = ray.get(host.train.remote())
+            except ray.exceptions.RayError as exc:
+                raise TrainingFailed(_last_line(exc)) from None
             window.add(m.pop("episode_returns"), m.pop("episode_lengths"))
             wall_s = wall_before + time.time() - started
             m.update(window.summary(), wall_time_s=wall_s, timestamp=time.time())
@@ -229,6 +232,11 @@ def train_loop(plan: Plan) -> int:
         _stop_quietly(host, pg)
     progress.print_summary(run_dir, reason, last, saved, time.time() - started)
     return 0
+
+
+def _last_line(exc: BaseException) -> str:
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return lines[-1] if lines else type(exc).__name__
 
 
 def _score(m: dict[str, Any]) -> Optional[float]:

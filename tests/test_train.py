@@ -106,3 +106,18 @@ def test_ctrl_c_checkpoints_and_exits_0_then_evaluate_records_video(runs, tmp_pa
     mp4s = sorted(videos.glob("*.mp4"))
     assert len(mp4s) == 2 and all(p.stat().st_size > 1000 for p in mp4s)
     assert mp4s[0].read_bytes()[4:8] == b"ftyp"  # a real MP4 container
+
+
+def test_own_env_and_lstm_model_in_remote_runners_then_evaluate(ray_head, runs):
+    """An id of our `envs` package builds inside a remote env runner; a stateful (LSTM) policy evaluates."""
+    result = run_cli("train", "--address", ray_head.address, "--runs-dir", runs, "--set", "name=own-env-lstm",
+                     "--set", "env=rlplatform/CostlySim-v0", "--set", "env_config={work_ms: 0.05}",
+                     "--set", "model={hidden: [32], use_lstm: true, lstm_cell_size: 32, max_seq_len: 10}",
+                     "--set", "training.train_batch_size_per_learner=400", "--set", "scale.envs_per_runner=2", *TINY,
+                     timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    run_dir = only_run_dir(runs, "own-env-lstm")
+    assert read_metrics(run_dir)[-1]["faults/healthy_env_runners"] == 1.0
+    evaluated = run_cli("evaluate", run_dir, "--episodes", "1", "--checkpoint", "latest")
+    assert evaluated.returncode == 0, evaluated.stdout + evaluated.stderr
+    assert "1 episodes: return" in evaluated.stdout
