@@ -84,7 +84,7 @@ def evaluate(checkpoint: Path, config: ExperimentConfig, episodes: int, seed: in
     try:
         for episode in range(episodes):
             obs, _ = env.reset(seed=seed + episode)
-            state = rllib_adapter.initial_state(module, batch_size=1)
+            state = rllib_adapter.initial_state(module)
             done, total, steps = False, 0.0, 0
             while not done:
                 actions, state = rllib_adapter.greedy_actions(module, obs[None], state)

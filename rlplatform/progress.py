@@ -31,8 +31,14 @@ def print_iteration(m: dict[str, Any], expected_runners: int) -> None:
     console.print(iteration_line(m, expected_runners))
 
 
-def print_start(run_dir: Path, describe: str) -> None:
-    console.print(f"[bold]rlplatform[/] {describe}")
+def print_start(run_dir: Path, config, resources: str) -> None:
+    scale = config.scale
+    learners = f"{scale.learners} remote learner(s)" if scale.learners else "learner in the main process"
+    gpu = f" on {config.hardware.gpus_per_learner:g} GPU each" if config.hardware.gpus_per_learner else ""
+    console.print(
+        f"[bold]rlplatform[/] {config.algorithm} on {config.env}: {scale.env_runners} env runner(s) x "
+        f"{scale.envs_per_runner} envs ({scale.vectorize}), {learners}{gpu}; cluster: {resources}"
+    )
     console.print(f"run directory: {run_dir}")
 
 

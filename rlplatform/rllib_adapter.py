@@ -238,13 +238,14 @@ def greedy_actions(module, observations, state=None):
     return actions.cpu().numpy(), out.get(Columns.STATE_OUT)
 
 
-def initial_state(module, batch_size: int):
+def initial_state(module):
+    """The RNN state of a stateful module for a batch of one episode (None for stateless ones)."""
     import torch
+    import tree  # dm-tree, an RLlib dependency: states are nested dicts
 
     if not module.is_stateful():
         return None
-    init = module.get_initial_state()
-    return {k: torch.as_tensor(v).unsqueeze(0).repeat(batch_size, *([1] * torch.as_tensor(v).dim())) for k, v in init.items()}
+    return tree.map_structure(lambda s: torch.as_tensor(s).unsqueeze(0), module.get_initial_state())
 
 
 def to_env_action(action, action_space, config: ExperimentConfig):

@@ -189,11 +189,9 @@ def train_loop(plan: Plan) -> int:
     from rlplatform.metrics import EpisodeWindow, RunLogger
 
     config, run_dir = plan.config, plan.run_dir
-    started = time.time()
+    started = _process_start_time()  # wall time counts from the command's start, Ray start-up included
     stop_flag = StopFlag()
-    progress.print_start(run_dir, f"{config.algorithm} on {config.env}: {config.scale.env_runners} env runners x "
-                                  f"{config.scale.envs_per_runner} envs, {config.scale.learners or 'local'} learner(s), "
-                                  f"{plan.resources.describe()}")
+    progress.print_start(run_dir, config, plan.resources.describe())
     host, pg = _start_algorithm(plan)
     window, wall_before = EpisodeWindow(), 0.0
     if plan.resume_from:
@@ -237,6 +235,12 @@ def train_loop(plan: Plan) -> int:
 def _last_line(exc: BaseException) -> str:
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
     return lines[-1] if lines else type(exc).__name__
+
+
+def _process_start_time() -> float:
+    import psutil
+
+    return psutil.Process().create_time()
 
 
 def _score(m: dict[str, Any]) -> Optional[float]:
