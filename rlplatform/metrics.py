@@ -76,8 +76,6 @@ def from_rllib_result(result: dict[str, Any], epochs_per_batch: int = 1) -> dict
         "time/sync_weights_s": _number(timers.get("synch_weights")),
         "faults/healthy_env_runners": _number(_get(result, "fault_tolerance", "num_healthy_workers")),
         "faults/env_runner_restarts": _number(_get(result, "fault_tolerance", "num_remote_worker_restarts")),
-        "system/cpu_percent": _number(_get(result, "perf", "cpu_util_percent")),
-        "system/ram_percent": _number(_get(result, "perf", "ram_util_percent")),
         "eval/return_mean": _number(_get(result, "evaluation", "env_runners", "episode_return_mean")),
         "eval/episode_length_mean": _number(_get(result, "evaluation", "env_runners", "episode_len_mean")),
     }
@@ -134,17 +132,30 @@ def scalars(metrics: dict[str, Any]) -> dict[str, float]:
 
 
 class RunLogger:
-    """TensorBoard event files and metrics.jsonl in the run directory, both keyed by env steps."""
+    """TensorBoard event files and metrics.jsonl in the run directory, both keyed by env steps.
 
-    def __init__(self, run_dir: Path):
+    A fresh run also gets its HParams record at once and its dashboard layout after the first
+    iteration (from the tags it really logs); a resumed run already has both.
+    """
+
+    def __init__(self, run_dir: Path, config=None, fresh: bool = True):
         from torch.utils.tensorboard import SummaryWriter
 
+        from rlplatform import tb_layout
+
+        self._tb_layout = tb_layout
         self.writer = SummaryWriter(log_dir=str(run_dir), flush_secs=10)
         self.jsonl = (run_dir / "metrics.jsonl").open("a")
+        self._layout_pending = fresh
+        if fresh and config is not None:
+            tb_layout.write_hparams(self.writer, config)
 
     def log(self, metrics: dict[str, Any]) -> None:
         step = int(metrics[ENV_STEPS])
         values = scalars(metrics)
+        if self._layout_pending:
+            self._tb_layout.write_layout(self.writer, values)
+            self._layout_pending = False
         for tag, value in values.items():
             self.writer.add_scalar(tag, value, global_step=step, walltime=metrics.get("timestamp"))
         self.writer.add_scalar("progress/iteration", metrics["iteration"], global_step=step)

@@ -32,6 +32,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--resume", type=Path, metavar="RUN_DIR", help="continue a run from its newest complete checkpoint")
     p.add_argument("--runs-dir", type=Path, default=Path("runs"), help="root of run directories (default: runs)")
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    p.add_argument("--dashboard", action="store_true", help="start TensorBoard on the run beside the training")
+    p.add_argument("--dashboard-port", type=int, default=6006, metavar="PORT")
     p.set_defaults(func=run)
 
 
@@ -72,6 +74,11 @@ def run(args: argparse.Namespace) -> int:
         rundir.write_config(plan.run_dir, plan.config)
         rundir.write_manifest(plan.run_dir, plan.config, {"resources": vars(plan.resources), "bundles": plan.bundles,
                                                          "address": args.address, "resumed_from": str(plan.resume_from.path) if plan.resume_from else None})
+        if args.dashboard:
+            from rlplatform import dashboard
+
+            url = dashboard.start(plan.run_dir, port=args.dashboard_port)
+            progress.console.print(f"TensorBoard: {url}")
         if not connected:
             cluster.connect(None, plan.resources)
             connected = True
@@ -187,6 +194,7 @@ def train_loop(plan: Plan) -> int:
     import ray
 
     from rlplatform.metrics import EpisodeWindow, RunLogger
+    from rlplatform.system_monitor import SystemMonitor
 
     config, run_dir = plan.config, plan.run_dir
     started = _process_start_time()  # wall time counts from the command's start, Ray start-up included
@@ -200,7 +208,8 @@ def train_loop(plan: Plan) -> int:
         wall_before = float(plan.resume_from.meta.get("wall_time_s", 0.0))
         progress.console.print(f"resumed from {plan.resume_from.path} (iteration {plan.resume_from.iteration})")
     checkpoints = CheckpointManager(run_dir / "checkpoints", config.checkpoint.keep_last, config.checkpoint.keep_best)
-    logger = RunLogger(run_dir)
+    logger = RunLogger(run_dir, config, fresh=plan.resume_from is None)
+    monitor = SystemMonitor()
     last: Optional[dict[str, Any]] = None
     saved: Optional[Path] = None
     reason = None
@@ -212,7 +221,7 @@ def train_loop(plan: Plan) -> int:
                 raise TrainingFailed(_last_line(exc)) from None
             window.add(m.pop("episode_returns"), m.pop("episode_lengths"))
             wall_s = wall_before + time.time() - started
-            m.update(window.summary(), wall_time_s=wall_s, timestamp=time.time())
+            m.update(window.summary(), **monitor.sample(), wall_time_s=wall_s, timestamp=time.time())
             logger.log(m)
             progress.print_iteration(m, config.scale.env_runners)
             last = m
@@ -227,6 +236,7 @@ def train_loop(plan: Plan) -> int:
     finally:
         stop_flag.restore()
         logger.close()
+        monitor.stop()
         _stop_quietly(host, pg)
     progress.print_summary(run_dir, reason, last, saved, time.time() - started)
     return 0

@@ -1,0 +1,114 @@
+"""CPU, RAM and GPU of every node, and Ray's object store, sampled once per iteration.
+
+One tiny actor per node (no CPU reserved, pinned to its node) answers `sample()`; nodes that
+join later get a probe at the next sample, nodes that leave are dropped.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from typing import Any
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+SAMPLE_TIMEOUT_S = 5.0
+
+
+class NodeProbe:
+    def __init__(self) -> None:
+        import psutil
+
+        self._psutil = psutil
+        psutil.cpu_percent(interval=None)  # the first call only primes the counter
+
+    def sample(self) -> dict[str, Any]:
+        return {
+            "cpu_percent": self._psutil.cpu_percent(interval=None),
+            "ram_percent": self._psutil.virtual_memory().percent,
+            "gpus": _nvidia_smi(),
+        }
+
+
+def _nvidia_smi() -> list[dict[str, float]]:
+    if shutil.which("nvidia-smi") is None:
+        return []
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=utilization.gpu,memory.used", "--format=csv,noheader,nounits"],
+            capture_output=True, text=True, timeout=5, check=True,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    gpus = []
+    for line in out.strip().splitlines():
+        util, mem_mib = (float(x) for x in line.split(","))
+        gpus.append({"util_percent": util, "mem_used_gb": mem_mib / 1024})
+    return gpus
+
+
+class SystemMonitor:
+    def __init__(self) -> None:
+        self._probes: dict[str, tuple[str, Any]] = {}  # node id -> (node ip, actor)
+
+    def _refresh(self) -> list[dict[str, Any]]:
+        alive = [n for n in ray.nodes() if n.get("Alive")]
+        alive_ids = {n["NodeID"] for n in alive}
+        for node_id in list(self._probes):
+            if node_id not in alive_ids:
+                del self._probes[node_id]
+        for node in alive:
+            if node["NodeID"] not in self._probes:
+                actor = ray.remote(NodeProbe).options(
+                    num_cpus=0,
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False),
+                ).remote()
+                self._probes[node["NodeID"]] = (node["NodeManagerAddress"], actor)
+        return alive
+
+    def sample(self) -> dict[str, float]:
+        alive = self._refresh()
+        metrics: dict[str, float] = {}
+        refs = {node_id: actor.sample.remote() for node_id, (_, actor) in self._probes.items()}
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=SAMPLE_TIMEOUT_S)
+        ready = set(ready)
+        gpu_index = 0
+        for node_id in sorted(refs, key=lambda n: self._probes[n][0]):
+            if refs[node_id] not in ready:
+                continue
+            try:
+                stats = ray.get(refs[node_id])
+            except ray.exceptions.RayError:
+                continue
+            ip = self._probes[node_id][0]
+            metrics[f"system/{ip}/cpu_percent"] = stats["cpu_percent"]
+            metrics[f"system/{ip}/ram_percent"] = stats["ram_percent"]
+            for gpu in stats["gpus"]:
+                metrics[f"system/gpu{gpu_index}/util_percent"] = gpu["util_percent"]
+                metrics[f"system/gpu{gpu_index}/mem_used_gb"] = gpu["mem_used_gb"]
+                gpu_index += 1
+        used = _object_store_used_bytes(alive)
+        if used is not None:
+            metrics["ray/object_store_used_gb"] = used / 1024**3
+        return metrics
+
+    def stop(self) -> None:
+        for _, actor in self._probes.values():
+            ray.kill(actor)
+        self._probes.clear()
+
+
+def _object_store_used_bytes(nodes: list[dict[str, Any]]) -> float | None:
+    """Bytes held in the object stores of all nodes, from each raylet's own stats."""
+    from ray._private.internal_api import node_stats
+
+    total, answered = 0.0, False
+    for node in nodes:
+        try:
+            reply = node_stats(node["NodeManagerAddress"], node["NodeManagerPort"], include_memory_info=False)
+        except Exception:  # a node going away mid-call: its share is simply missing this iteration
+            continue
+        total += reply.store_stats.object_store_bytes_used
+        answered = True
+    return total if answered else None
