@@ -84,3 +84,12 @@ def _git_commit() -> Optional[str]:
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip() if out.returncode == 0 else None
+
+
+def record_placement(run_dir: Path, placement: dict[str, Any]) -> None:
+    """Where Ray put the algorithm and its env runners (node ids), for the manifest's latest start."""
+    path = run_dir / MANIFEST_FILE
+    manifest = json.loads(path.read_text())
+    target = manifest["resumes"][-1] if manifest.get("resumes") else manifest
+    target["placement"] = placement
+    path.write_text(json.dumps(manifest, indent=1, default=str))

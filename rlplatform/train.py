@@ -198,12 +198,19 @@ def train_loop(plan: Plan) -> int:
 
     config, run_dir = plan.config, plan.run_dir
     started = _process_start_time()  # wall time counts from the command's start, Ray start-up included
-    stop_flag = StopFlag()
     progress.print_start(run_dir, config, plan.resources.describe())
     host, pg = _start_algorithm(plan)
+    try:
+        rundir.record_placement(run_dir, {"algorithm_node": ray.get(host.node_id.remote()),
+                                          "env_runner_nodes": ray.get(host.env_runner_nodes.remote())})
+        if plan.resume_from:
+            ray.get(host.restore.remote(str(plan.resume_from.path.resolve())))
+    except ray.exceptions.RayError as exc:
+        _stop_quietly(host, pg)
+        raise TrainingFailed(f"the algorithm could not be built: {_last_line(exc)}") from None
+    stop_flag = StopFlag()
     window, wall_before = EpisodeWindow(), 0.0
     if plan.resume_from:
-        ray.get(host.restore.remote(str(plan.resume_from.path.resolve())))
         window = EpisodeWindow.from_state(plan.resume_from.meta.get("episode_window"))
         wall_before = float(plan.resume_from.meta.get("wall_time_s", 0.0))
         progress.console.print(f"resumed from {plan.resume_from.path} (iteration {plan.resume_from.iteration})")

@@ -37,6 +37,7 @@ def test_two_iterations_with_remote_runners(algorithm, ray_head, runs):
     manifest = json.loads((run_dir / "manifest.json").read_text())
     assert {"command", "versions", "host", "resources", "seed"} <= set(manifest)
     assert manifest["versions"]["ray"] == "2.60.0"
+    assert len(manifest["placement"]["env_runner_nodes"]) == 1
     assert "algorithm: " + algorithm in (run_dir / "config.yaml").read_text()
 
     rows = read_metrics(run_dir)
