@@ -7,10 +7,18 @@ package and sees the same registrations.
 
 from gymnasium.envs.registration import register, registry
 
-_ENVS = {
-    "rlplatform/CostlySim-v0": ("envs.costly_sim:CostlySimEnv", 200),
+# id -> (entry point, max episode steps, multi-agent)
+ENVS = {
+    "rlplatform/CostlySim-v0": ("envs.costly_sim:CostlySimEnv", 200, False),
+    "rlplatform/PixelCatch-v0": ("envs.pixel_catch:PixelCatchEnv", None, False),
+    "rlplatform/Faulty-v0": ("envs.faults:make_faulty", None, False),
+    "rlplatform/Pursuit-v0": ("envs.pursuit:PursuitEnv", None, True),
+    "rlplatform/PettingZooParallel-v0": ("envs.pettingzoo_envs:make_parallel", None, True),
 }
+MULTI_AGENT = {env_id for env_id, (_, _, multi_agent) in ENVS.items() if multi_agent}
 
-for _env_id, (_entry_point, _max_steps) in _ENVS.items():
+for _env_id, (_entry_point, _max_steps, _multi_agent) in ENVS.items():
     if _env_id not in registry:
-        register(id=_env_id, entry_point=_entry_point, max_episode_steps=_max_steps)
+        # RLlib's MultiAgentEnv is not a plain gymnasium env: no checker, no order enforcing.
+        register(id=_env_id, entry_point=_entry_point, max_episode_steps=_max_steps,
+                 disable_env_checker=_multi_agent, order_enforce=not _multi_agent)

@@ -10,10 +10,10 @@ from __future__ import annotations
 import difflib
 import re
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal, Optional, Union, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from rlplatform.errors import UserError
 
@@ -81,6 +81,38 @@ class EvaluationSection(Section):
     episodes: int = Field(10, ge=1)
 
 
+class PolicySection(Section):
+    model: Optional[ModelSection] = None  # this policy's network; default: the experiment's `model`
+
+
+class MultiAgentSection(Section):
+    """Which policies exist, which agent each uses (first matching id pattern), which ones train.
+
+    Several agents mapped to one policy share its weights; one policy per agent keeps them apart.
+    """
+
+    policies: dict[str, PolicySection]
+    mapping: dict[str, str]  # agent-id glob pattern -> policy, e.g. {"pursuer_*": pursuer}
+    train: Optional[list[str]] = None  # default: every policy
+
+    @field_validator("policies", mode="before")
+    @classmethod
+    def _names_are_enough(cls, value: Any) -> Any:
+        return {name: {} for name in value} if isinstance(value, list) else value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "MultiAgentSection":
+        if not self.policies:
+            raise ValueError("needs at least one policy")
+        for pattern, policy in self.mapping.items():
+            if policy not in self.policies:
+                raise ValueError(f"mapping {pattern!r} -> {policy!r}: no such policy{_suggest(policy, self.policies)}")
+        for policy in self.train or []:
+            if policy not in self.policies:
+                raise ValueError(f"train: no such policy {policy!r}{_suggest(policy, self.policies)}")
+        return self
+
+
 class ExperimentConfig(Section):
     version: Literal[1] = SCHEMA_VERSION
     name: str = Field("experiment", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
@@ -96,6 +128,7 @@ class ExperimentConfig(Section):
     stop: StopSection = Field(default_factory=StopSection)
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
     evaluation: EvaluationSection = Field(default_factory=EvaluationSection)
+    multi_agent: Optional[MultiAgentSection] = None
     rllib: dict[str, dict[str, Any]] = Field(default_factory=dict)
 
     @field_validator("algorithm")
@@ -229,14 +262,19 @@ def _value_at(data: Any, loc: list[str]) -> Any:
 
 
 def _model_at(loc: list[str]) -> Optional[type[BaseModel]]:
-    model: type[BaseModel] = ExperimentConfig
+    """The section model at a location such as ["multi_agent", "policies", "p0", "model"]."""
+    annotation: Any = ExperimentConfig
     for part in loc:
-        field = model.model_fields.get(part)
-        annotation = field.annotation if field else None
-        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            field = annotation.model_fields.get(part)
+            annotation = field.annotation if field else None
+        elif get_origin(annotation) is dict:
+            annotation = get_args(annotation)[1]
+        else:
             return None
-        model = annotation
-    return model
+        optional = [a for a in get_args(annotation) if a is not type(None)] if get_origin(annotation) is Union else None
+        annotation = optional[0] if optional and len(optional) == 1 else annotation
+    return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
 
 
 def to_yaml(config: ExperimentConfig) -> str:

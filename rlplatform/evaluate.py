@@ -61,6 +61,8 @@ def run(args: argparse.Namespace) -> int:
         f"{len(returns)} episodes: return {statistics.mean(returns):.2f} ± {statistics.pstdev(returns):.2f}, "
         f"length {statistics.mean(lengths):.1f} ± {statistics.pstdev(lengths):.1f}"
     )
+    for name, values in results.get("per_policy_returns", {}).items():
+        progress.console.print(f"  policy {name}: return {statistics.mean(values):.2f} ± {statistics.pstdev(values):.2f}")
     for video in results["videos"]:
         progress.console.print(f"video: {video}")
     if args.json:
@@ -74,6 +76,10 @@ def evaluate(checkpoint: Path, config: ExperimentConfig, episodes: int, seed: in
     from rlplatform import rllib_adapter
     from rlplatform.env_ids import make_env
 
+    if config.multi_agent is not None:
+        if video_dir:
+            raise UserError("--video is not supported for multi-agent envs yet")
+        return evaluate_multi_agent(checkpoint, config, episodes, seed)
     module = rllib_adapter.load_inference_module(checkpoint, policy)
     env = make_env(config.env, render_mode="rgb_array" if video_dir else None, **config.env_config)
     if video_dir:
@@ -97,3 +103,35 @@ def evaluate(checkpoint: Path, config: ExperimentConfig, episodes: int, seed: in
         env.close()
     videos = sorted(str(p) for p in video_dir.glob("*.mp4")) if video_dir else []
     return {"returns": returns, "lengths": lengths, "videos": videos}
+
+
+def evaluate_multi_agent(checkpoint: Path, config: ExperimentConfig, episodes: int, seed: int) -> dict:
+    """Every agent acts greedily with the policy its id maps to; the episode return sums all agents."""
+    from rlplatform import rllib_adapter
+    from rlplatform.env_ids import make_env
+
+    mapping = rllib_adapter.PolicyMapping(config.multi_agent.mapping)
+    modules = {name: rllib_adapter.load_inference_module(checkpoint, name) for name in config.multi_agent.policies}
+    env = make_env(config.env, **config.env_config)
+    returns, lengths, per_policy = [], [], {name: [] for name in modules}
+    for episode in range(episodes):
+        obs, _ = env.reset(seed=seed + episode)
+        totals = dict.fromkeys(modules, 0.0)
+        done, steps = False, 0
+        while not done:
+            actions = {}
+            for agent, agent_obs in obs.items():
+                policy = mapping(agent)
+                action, _ = rllib_adapter.greedy_actions(modules[policy], agent_obs[None])
+                actions[agent] = rllib_adapter.to_env_action(action[0], env.unwrapped.get_action_space(agent), config)
+            obs, rewards, terminateds, truncateds, _ = env.step(actions)
+            for agent, reward in rewards.items():
+                totals[mapping(agent)] += float(reward)
+            steps += 1
+            done = terminateds.get("__all__", False) or truncateds.get("__all__", False)
+        returns.append(sum(totals.values()))
+        lengths.append(steps)
+        for name, total in totals.items():
+            per_policy[name].append(total)
+    env.close()
+    return {"returns": returns, "lengths": lengths, "videos": [], "per_policy_returns": per_policy}

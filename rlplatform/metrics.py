@@ -79,6 +79,11 @@ def from_rllib_result(result: dict[str, Any], epochs_per_batch: int = 1) -> dict
         "eval/return_mean": _number(_get(result, "evaluation", "env_runners", "episode_return_mean")),
         "eval/episode_length_mean": _number(_get(result, "evaluation", "env_runners", "episode_len_mean")),
     }
+    # Per-policy returns (multi-agent runners say "returns", single-agent ones "return").
+    per_module = runners.get("module_episode_returns_mean") or runners.get("module_episode_return_mean") or {}
+    if isinstance(per_module, dict) and set(per_module) - {"default_policy"}:
+        for module, value in per_module.items():
+            out[f"return/{module}/mean"] = _number(value)
     for module, stats in (result.get("learners") or {}).items():
         if module == "__all_modules__" or not isinstance(stats, dict):
             continue

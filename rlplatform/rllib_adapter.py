@@ -6,13 +6,14 @@ Everything else in the package talks to this module, so a Ray upgrade touches th
 
 from __future__ import annotations
 
+import fnmatch
 import importlib
 import inspect
 import logging
 from pathlib import Path
 from typing import Any, Optional
 
-from rlplatform.config import ExperimentConfig, _suggest
+from rlplatform.config import ExperimentConfig, ModelSection, _suggest
 from rlplatform.env_ids import runner_env_id
 from rlplatform.errors import UserError
 
@@ -80,7 +81,43 @@ def check(config: ExperimentConfig) -> str:
         for key in kwargs:
             if key not in accepted:
                 raise UserError(f"rllib.{method}.{key}: not an argument of {method}(){_suggest(key, accepted)}")
-    return runner_env_id(config.env)
+    env_id = runner_env_id(config.env)
+    if is_multi_agent_env(config.env) and config.multi_agent is None:
+        raise UserError(f"env {config.env!r} is multi-agent: add a multi_agent section (policies, mapping)")
+    return env_id
+
+
+def is_multi_agent_env(env: str) -> bool:
+    from envs import MULTI_AGENT
+
+    return env.rpartition(":")[2] in MULTI_AGENT
+
+
+class PolicyMapping:
+    """RLlib's policy_mapping_fn from our `multi_agent.mapping`: the first matching agent-id pattern wins."""
+
+    def __init__(self, mapping: dict[str, str]):
+        self.mapping = dict(mapping)
+
+    def __call__(self, agent_id: Any, episode: Any = None, **_: Any) -> str:
+        for pattern, policy in self.mapping.items():
+            if fnmatch.fnmatchcase(str(agent_id), pattern):
+                return policy
+        raise ValueError(f"agent {agent_id!r} matches no pattern of multi_agent.mapping {list(self.mapping)}")
+
+
+def _multi_agent(algo_config, config: ExperimentConfig) -> None:
+    from ray.rllib.core.rl_module.multi_rl_module import MultiRLModuleSpec
+    from ray.rllib.core.rl_module.rl_module import RLModuleSpec
+
+    ma = config.multi_agent
+    algo_config.multi_agent(
+        policies=set(ma.policies),
+        policy_mapping_fn=PolicyMapping(ma.mapping),
+        policies_to_train=list(ma.train) if ma.train is not None else None,
+    )
+    specs = {name: RLModuleSpec(model_config=model_config(config, policy.model)) for name, policy in ma.policies.items()}
+    algo_config.rl_module(rl_module_spec=MultiRLModuleSpec(rl_module_specs=specs))
 
 
 def _record_episode(*, episode, metrics_logger, prev_episode_chunks=(), **_: Any) -> None:
@@ -93,10 +130,10 @@ def _record_episode(*, episode, metrics_logger, prev_episode_chunks=(), **_: Any
     metrics_logger.log_value(EPISODE_LENGTHS, int(sum(len(c) for c in chunks)), reduce="item_series")
 
 
-def model_config(config: ExperimentConfig):
+def model_config(config: ExperimentConfig, model: Optional[ModelSection] = None):
     from ray.rllib.core.rl_module.default_model_config import DefaultModelConfig
 
-    m = config.model
+    m = model or config.model
     return DefaultModelConfig(
         fcnet_hiddens=list(m.hidden),
         fcnet_activation=m.activation,
@@ -142,6 +179,8 @@ def build_algorithm_config(config: ExperimentConfig, main_process_resources: Opt
         # A crashed runner is restarted at once instead of after RLlib's default 60 s pause.
         .fault_tolerance(restart_failed_env_runners=True, delay_between_env_runner_restarts_s=1.0)
     )
+    if config.multi_agent is not None:
+        _multi_agent(algo_config, config)
     if config.evaluation.interval:
         algo_config.evaluation(
             evaluation_interval=config.evaluation.interval,
@@ -187,6 +226,23 @@ def _node_id(_runner) -> str:
     import ray
 
     return ray.get_runtime_context().get_node_id()
+
+
+def sample_in_remote_env_runner(config: ExperimentConfig, num_timesteps: int = 50) -> dict[str, Any]:
+    """Build the env inside a real remote EnvRunner actor (as training does) and sample random actions."""
+    import ray
+    from ray.rllib.env.multi_agent_env_runner import MultiAgentEnvRunner
+    from ray.rllib.env.single_agent_env_runner import SingleAgentEnvRunner
+
+    algo_config = build_algorithm_config(config)
+    runner_cls = MultiAgentEnvRunner if config.multi_agent is not None else SingleAgentEnvRunner
+    runner = ray.remote(num_cpus=0)(runner_cls).remote(config=algo_config, worker_index=1, num_workers=1)
+    try:
+        episodes = ray.get(runner.sample.remote(num_timesteps=num_timesteps, random_actions=True), timeout=120)
+        node = ray.get(runner.apply.remote(_node_id), timeout=30)
+    finally:
+        ray.kill(runner)
+    return {"episodes": len(episodes), "env_steps": sum(e.env_steps() for e in episodes), "node_id": node}
 
 
 # ----------------------------------------------------------------------------- checkpoints & inference

@@ -17,6 +17,7 @@ LAYOUT: dict[str, dict[str, list[str]]] = {
         "Return (last 100 episodes) and eval return": [r"return/mean", r"return/min", r"return/max", r"eval/return_mean"],
         "Env steps per second: sampled and trained": [r"throughput/env_steps_sampled_per_s", r"throughput/env_steps_trained_per_s"],
         "Iteration time: sample / learn / sync": [r"time/iteration_s", r"time/sample_s", r"time/learn_s", r"time/sync_weights_s"],
+        "Return per policy (multi-agent)": [r"return/[^/]+/mean"],
         "Episode length": [r"episode/length_mean", r"eval/episode_length_mean"],
     },
     "Learner": {

@@ -20,6 +20,7 @@ from rlplatform.errors import TrainingFailed, UserError
 from rlplatform.experiment import ResolvedExperiment, resolve_experiment
 
 PLACEMENT_TIMEOUT_S = 60.0
+STALL_TIMEOUT_S = 300.0
 
 
 def add_parser(subparsers) -> None:
@@ -50,8 +51,6 @@ class Plan:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.address:
-        cluster.use_token_auth_for_address()
     resolved = _resolve(args)
     if not args.resume:
         rundir.check_writable(args.runs_dir)
@@ -219,6 +218,7 @@ def train_loop(plan: Plan) -> int:
     monitor = SystemMonitor()
     last: Optional[dict[str, Any]] = None
     saved: Optional[Path] = None
+    stall = StallGuard()
     reason = None
     try:
         while reason is None:
@@ -232,6 +232,7 @@ def train_loop(plan: Plan) -> int:
             logger.log(m)
             progress.print_iteration(m, config.scale.env_runners)
             last = m
+            stall.update(m)
             reason = _stop_reason(config, m, window.full, wall_s) or stop_flag.reason
             every = config.checkpoint.every
             if reason is not None or (every and m["iteration"] % every == 0):
@@ -252,6 +253,25 @@ def train_loop(plan: Plan) -> int:
 def _last_line(exc: BaseException) -> str:
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
     return lines[-1] if lines else type(exc).__name__
+
+
+class StallGuard:
+    """Fail a run whose env runners keep dying before they sample anything, instead of looping forever."""
+
+    def __init__(self, timeout_s: float = STALL_TIMEOUT_S):
+        self.timeout_s = timeout_s
+        self._steps = -1
+        self._since = time.time()
+
+    def update(self, m: dict[str, Any]) -> None:
+        if m["env_steps"] > self._steps:
+            self._steps, self._since = m["env_steps"], time.time()
+        elif time.time() - self._since > self.timeout_s:
+            healthy = m.get("faults/healthy_env_runners")
+            raise TrainingFailed(
+                f"no env steps sampled for {self.timeout_s:.0f} s (healthy env runners: {healthy}); "
+                "the env or its runners keep failing - see the worker logs under Ray's session directory"
+            )
 
 
 def _process_start_time() -> float:
