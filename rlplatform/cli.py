@@ -22,12 +22,12 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from rlplatform import dashboard, evaluate, report, train
+    from rlplatform import cluster_command, dashboard, envs_command, evaluate, report, train
 
     parser = _Parser(prog="rlplatform", description="Distributed reinforcement learning on Ray RLlib.")
     parser.add_argument("--version", action="version", version=f"rlplatform {__version__}")
     subparsers = parser.add_subparsers(dest="verb", metavar="VERB", parser_class=_Parser)
-    for verb in (train, evaluate, dashboard, report):
+    for verb in (train, evaluate, dashboard, report, envs_command, cluster_command):
         verb.add_parser(subparsers)
     return parser
 
@@ -47,6 +47,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return EXIT_USAGE
+    if getattr(args, "address", None):
+        from rlplatform.cluster import use_token_auth_for_address
+
+        use_token_auth_for_address()  # before anything imports ray
     try:
         return args.func(args)
     except UserError as exc:
