@@ -22,12 +22,12 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from rlplatform import cluster_command, dashboard, envs_command, evaluate, report, train
+    from rlplatform import bench, cluster_command, dashboard, envs_command, evaluate, report, train
 
     parser = _Parser(prog="rlplatform", description="Distributed reinforcement learning on Ray RLlib.")
     parser.add_argument("--version", action="version", version=f"rlplatform {__version__}")
     subparsers = parser.add_subparsers(dest="verb", metavar="VERB", parser_class=_Parser)
-    for verb in (train, evaluate, dashboard, report, envs_command, cluster_command):
+    for verb in (train, evaluate, dashboard, report, envs_command, cluster_command, bench):
         verb.add_parser(subparsers)
     return parser
 

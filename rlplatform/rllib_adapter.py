@@ -228,15 +228,23 @@ def _node_id(_runner) -> str:
     return ray.get_runtime_context().get_node_id()
 
 
-def sample_in_remote_env_runner(config: ExperimentConfig, num_timesteps: int = 50) -> dict[str, Any]:
-    """Build the env inside a real remote EnvRunner actor (as training does) and sample random actions."""
+def remote_env_runners(config: ExperimentConfig, count: int, num_cpus: Optional[float] = None) -> list:
+    """`count` real remote EnvRunner actors built from the experiment, as training builds them (no learner)."""
     import ray
     from ray.rllib.env.multi_agent_env_runner import MultiAgentEnvRunner
     from ray.rllib.env.single_agent_env_runner import SingleAgentEnvRunner
 
     algo_config = build_algorithm_config(config)
     runner_cls = MultiAgentEnvRunner if config.multi_agent is not None else SingleAgentEnvRunner
-    runner = ray.remote(num_cpus=0)(runner_cls).remote(config=algo_config, worker_index=1, num_workers=1)
+    actor = ray.remote(num_cpus=config.hardware.cpus_per_env_runner if num_cpus is None else num_cpus)(runner_cls)
+    return [actor.remote(config=algo_config, worker_index=i + 1, num_workers=count) for i in range(count)]
+
+
+def sample_in_remote_env_runner(config: ExperimentConfig, num_timesteps: int = 50) -> dict[str, Any]:
+    """Build the env inside a real remote EnvRunner actor (as training does) and sample random actions."""
+    import ray
+
+    (runner,) = remote_env_runners(config, 1, num_cpus=0)
     try:
         episodes = ray.get(runner.sample.remote(num_timesteps=num_timesteps, random_actions=True), timeout=120)
         node = ray.get(runner.apply.remote(_node_id), timeout=30)

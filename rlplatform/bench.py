@@ -1,0 +1,183 @@
+"""`rlplatform bench throughput [EXPERIMENT]`: where does sampling time go?
+
+First the raw limit: the experiment's env stepped with random actions in one process (a gymnasium
+SyncVectorEnv), no Ray, no policy. Then the platform: for each layout (env runners x envs per runner
+x sync/async vectorisation) real RLlib EnvRunner actors, built from the experiment exactly as
+training builds them, sample with the policy in the loop and learning off. The table gives env
+steps/s and the ratio to the raw limit per env-runner core; JSON and a PNG plot are written too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import re
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from rlplatform import progress
+from rlplatform.errors import UserError
+
+LAYOUT = re.compile(r"^(\d+)x(\d+)(?:x(sync|async))?$")
+DEFAULT_LAYOUTS = ["1x1", "1x8", "1x16", "1x8xasync", "2x8"]
+RAW_ENVS = 16
+
+
+@dataclass(frozen=True)
+class Layout:
+    env_runners: int
+    envs_per_runner: int
+    vectorize: str = "sync"
+
+    @classmethod
+    def parse(cls, text: str) -> "Layout":
+        match = LAYOUT.match(text)
+        if not match or int(match.group(1)) < 1 or int(match.group(2)) < 1:
+            raise UserError(f"--layouts: {text!r} is not RUNNERSxENVS[xsync|xasync], e.g. 2x8 or 1x4xasync")
+        return cls(int(match.group(1)), int(match.group(2)), match.group(3) or "sync")
+
+    def __str__(self) -> str:
+        return f"{self.env_runners}x{self.envs_per_runner}x{self.vectorize}"
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("bench", help="benchmarks: sampling throughput against the env's raw limit")
+    verbs = p.add_subparsers(dest="bench_verb", metavar="throughput", required=True, parser_class=type(p))
+    q = verbs.add_parser("throughput", help="raw env steps/s, then RLlib sampling throughput per layout (learning off)")
+    q.add_argument("experiment", nargs="?", type=Path, help="experiment YAML (default: experiments/cartpole_ppo.yaml)")
+    q.add_argument("--layouts", nargs="+", default=DEFAULT_LAYOUTS, metavar="RxE[xMODE]",
+                   help=f"env runners x envs per runner [x sync|async] (default: {' '.join(DEFAULT_LAYOUTS)})")
+    q.add_argument("--seconds", type=float, default=10.0, help="measuring time per layout, after a warm-up (default: 10)")
+    q.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="as for train")
+    q.add_argument("--address", help="measure on this Ray cluster (default: a private local instance)")
+    q.add_argument("-o", "--output", type=Path, default=Path("bench"), help="directory for the JSON and PNG (default: bench)")
+    q.set_defaults(func=run_throughput)
+
+
+def run_throughput(args: argparse.Namespace) -> int:
+    from rlplatform import cluster
+    from rlplatform.experiment import resolve_experiment
+    from rlplatform.rllib_adapter import check, is_multi_agent_env
+
+    if args.seconds <= 0:
+        raise UserError(f"--seconds must be > 0, not {args.seconds:g}")
+    layouts = [Layout.parse(text) for text in args.layouts]
+    base = resolve_experiment(args.experiment, args.overrides, "laptop").config
+    check(base)
+    if is_multi_agent_env(base.env):
+        raise UserError(f"bench throughput measures single-agent envs; {base.env!r} is multi-agent")
+    args.output.mkdir(parents=True, exist_ok=True)
+
+    raw = raw_steps_per_second(base.env, dict(base.env_config), args.seconds)
+    progress.console.print(f"raw limit: {raw:,.0f} env steps/s ({base.env}, {RAW_ENVS} envs in one SyncVectorEnv, one process)")
+    resources = cluster.connect(args.address, None if args.address else cluster.local_resources())
+    rows: list[dict[str, Any]] = []
+    try:
+        for layout in layouts:
+            cpus = layout.env_runners * base.hardware.cpus_per_env_runner
+            if cpus > resources.cpus:
+                progress.console.print(f"{layout}: skipped, needs {cpus:g} CPUs and the cluster has {resources.cpus:g}")
+                continue
+            config = resolve_experiment(args.experiment, [*args.overrides, *_layout_overrides(layout)], "laptop").config
+            sps = sampling_steps_per_second(config, args.seconds)
+            rows.append({**asdict(layout), "layout": str(layout), "env_steps_per_s": sps,
+                         "ratio_to_raw_per_runner": sps / (raw * layout.env_runners)})
+            progress.console.print(f"{layout}: {sps:,.0f} env steps/s ({rows[-1]['ratio_to_raw_per_runner']:.0%} of raw per runner)")
+    finally:
+        cluster.shutdown()
+    _print_table(rows)
+    result = {"env": base.env, "env_config": dict(base.env_config), "algorithm": base.algorithm, "host": platform.node(),
+              "cpus": resources.cpus, "raw_env_steps_per_s": raw, "seconds_per_layout": args.seconds, "layouts": rows,
+              "timestamp": time.time()}
+    stem = args.output / f"throughput-{_slug(base.env)}"
+    stem.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
+    plot(result, stem.with_suffix(".png"))
+    progress.console.print(f"written: {stem.with_suffix('.json')}, {stem.with_suffix('.png')}")
+    return 0
+
+
+def _layout_overrides(layout: Layout) -> list[str]:
+    return [f"scale.env_runners={layout.env_runners}", f"scale.envs_per_runner={layout.envs_per_runner}",
+            f"scale.vectorize={layout.vectorize}"]
+
+
+def _slug(env: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", env.rpartition(":")[2])
+
+
+def raw_steps_per_second(env: str, env_config: dict[str, Any], seconds: float) -> float:
+    """Random actions through a SyncVectorEnv in this process: what the env itself can do on one core."""
+    import gymnasium as gym
+
+    from rlplatform.env_ids import runner_env_id
+
+    vec = gym.make_vec(runner_env_id(env), num_envs=RAW_ENVS, vectorization_mode="sync", **env_config)
+    try:
+        vec.reset(seed=0)
+        vec.action_space.seed(0)
+        for _ in range(20):  # warm-up
+            vec.step(vec.action_space.sample())
+        steps, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            for _ in range(50):
+                vec.step(vec.action_space.sample())
+            steps += 50 * RAW_ENVS
+        return steps / (time.perf_counter() - start)
+    finally:
+        vec.close()
+
+
+def sampling_steps_per_second(config, seconds: float) -> float:
+    """All env runners of the layout sample in parallel, policy in the loop, no learner."""
+    import ray
+
+    from rlplatform.rllib_adapter import remote_env_runners
+
+    runners = remote_env_runners(config, config.scale.env_runners)
+    try:
+        fragment = 50 * config.scale.envs_per_runner
+        ray.get([r.sample.remote(num_timesteps=fragment) for r in runners])  # warm-up: envs and module built
+        steps, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            batches = ray.get([r.sample.remote(num_timesteps=fragment) for r in runners])
+            steps += sum(e.env_steps() for episodes in batches for e in episodes)
+        return steps / (time.perf_counter() - start)
+    finally:
+        for runner in runners:
+            ray.kill(runner)
+
+
+def _print_table(rows: list[dict[str, Any]]) -> None:
+    from rich.table import Table
+
+    table = Table(title="sampling throughput (learning off)")
+    for column in ("layout", "env steps/s", "per runner", "of raw, per runner"):
+        table.add_column(column, justify="right")
+    for row in rows:
+        table.add_row(row["layout"], f"{row['env_steps_per_s']:,.0f}", f"{row['env_steps_per_s'] / row['env_runners']:,.0f}",
+                      f"{row['ratio_to_raw_per_runner']:.0%}")
+    progress.console.print(table)
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["layouts"]
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * len(rows) + 2), 4.5))
+    bars = ax.bar([r["layout"] for r in rows], [r["env_steps_per_s"] for r in rows], color="tab:blue", label="RLlib env runners")
+    ax.bar_label(bars, labels=[f"{r['env_steps_per_s']:,.0f}\n{r['ratio_to_raw_per_runner']:.0%}/runner" for r in rows])
+    ax.axhline(result["raw_env_steps_per_s"], color="tab:red", linestyle="--", label="raw env, one core")
+    ax.set_ylabel("env steps/s")
+    ax.set_xlabel("env runners x envs per runner x vectorisation")
+    ax.set_title(f"Sampling throughput: {result['env']} ({result['cpus']:g} CPUs)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
