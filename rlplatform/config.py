@@ -43,6 +43,9 @@ class ScaleSection(Section):
     env_runners: int = Field(1, ge=0)
     envs_per_runner: int = Field(1, ge=1)
     vectorize: Literal["sync", "async"] = "sync"
+    # lean: RLlib's env runner with its default per-step connectors done on the batch (rlplatform/lean_env_runner.py);
+    # rllib: RLlib's own, unchanged. Both give the same episodes; lean falls back to rllib where it does not apply.
+    sampler: Literal["lean", "rllib"] = "lean"
     rollout_fragment_length: Union[int, Literal["auto"]] = "auto"
     learners: int = Field(0, ge=0)
     placement: Literal["pack", "spread", "strict_pack", "strict_spread"] = "pack"

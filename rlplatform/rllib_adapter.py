@@ -161,6 +161,7 @@ def build_algorithm_config(config: ExperimentConfig, main_process_resources: Opt
             rollout_fragment_length=scale.rollout_fragment_length,
             num_cpus_per_env_runner=hw.cpus_per_env_runner,
             num_gpus_per_env_runner=hw.gpus_per_env_runner,
+            env_runner_cls=_env_runner_class(config),
         )
         .learners(
             num_learners=scale.learners,
@@ -195,6 +196,14 @@ def build_algorithm_config(config: ExperimentConfig, main_process_resources: Opt
     except (ValueError, TypeError) as exc:
         raise UserError(f"RLlib rejected the configuration: {str(exc).strip().splitlines()[0]}") from None
     return algo_config
+
+
+def _env_runner_class(config: ExperimentConfig):
+    if config.multi_agent is not None or config.scale.sampler == "rllib":
+        return None  # RLlib's default for the env
+    from rlplatform.lean_env_runner import LeanEnvRunner
+
+    return LeanEnvRunner
 
 
 def resource_bundles(algo_config) -> list[dict[str, float]]:
@@ -235,7 +244,7 @@ def remote_env_runners(config: ExperimentConfig, count: int, num_cpus: Optional[
     from ray.rllib.env.single_agent_env_runner import SingleAgentEnvRunner
 
     algo_config = build_algorithm_config(config)
-    runner_cls = MultiAgentEnvRunner if config.multi_agent is not None else SingleAgentEnvRunner
+    runner_cls = algo_config.env_runner_cls or (MultiAgentEnvRunner if config.multi_agent is not None else SingleAgentEnvRunner)
     actor = ray.remote(num_cpus=config.hardware.cpus_per_env_runner if num_cpus is None else num_cpus)(runner_cls)
     return [actor.remote(config=algo_config, worker_index=i + 1, num_workers=count) for i in range(count)]
 

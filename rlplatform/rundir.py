@@ -86,10 +86,10 @@ def _git_commit() -> Optional[str]:
     return out.stdout.strip() if out.returncode == 0 else None
 
 
-def record_placement(run_dir: Path, placement: dict[str, Any]) -> None:
-    """Where Ray put the algorithm and its env runners (node ids), for the manifest's latest start."""
+def record_start(run_dir: Path, key: str, value: Any) -> None:
+    """A fact about the latest start of the run (placement, start-up timings) into the manifest."""
     path = run_dir / MANIFEST_FILE
     manifest = json.loads(path.read_text())
     target = manifest["resumes"][-1] if manifest.get("resumes") else manifest
-    target["placement"] = placement
+    target[key] = value
     path.write_text(json.dumps(manifest, indent=1, default=str))

@@ -48,6 +48,8 @@ class Plan:
     main_process_resources: dict[str, float] = field(default_factory=dict)
     resume_from: Optional[CheckpointInfo] = None
     run_dir: Optional[Path] = None
+    layout_note: Optional[str] = None  # where `--profile auto` took a measured layout from
+    ray_ready_at: Optional[float] = None  # time.time() when Ray was up
 
 
 def run(args: argparse.Namespace) -> int:
@@ -72,7 +74,8 @@ def run(args: argparse.Namespace) -> int:
             plan.run_dir = rundir.new_run_dir(args.runs_dir, plan.config.name)
         rundir.write_config(plan.run_dir, plan.config)
         rundir.write_manifest(plan.run_dir, plan.config, {"resources": vars(plan.resources), "bundles": plan.bundles,
-                                                         "address": args.address, "resumed_from": str(plan.resume_from.path) if plan.resume_from else None})
+                                                         "address": args.address, "layout_from_bench": plan.layout_note,
+                                                         "resumed_from": str(plan.resume_from.path) if plan.resume_from else None})
         if args.dashboard:
             from rlplatform import dashboard
 
@@ -81,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
         if not connected:
             cluster.connect(None, plan.resources)
             connected = True
+        plan.ray_ready_at = time.time()
         return train_loop(plan)
     finally:
         if connected:
@@ -102,16 +106,19 @@ def _resolve(args: argparse.Namespace) -> ResolvedExperiment:
 
 
 def _plan(resolved: ResolvedExperiment, resources: cluster.Resources, pin_to_driver_node: bool, resize: bool) -> Plan:
-    from rlplatform import rllib_adapter
+    from rlplatform import layout_cache, rllib_adapter
 
     config = resolved.config
     rllib_adapter.check(config)
+    layout_note = None
     if config.profile == "auto" and resize:  # a resumed run keeps the size it was started with
         config = cluster.size_to_cluster(config, resources, resolved.explicit_keys)
+        config, layout_note = layout_cache.apply_best_layout(config, resources.cpus, resources.gpus, resolved.explicit_keys)
     main_resources = _driver_node_resource() if pin_to_driver_node else {}
     bundles = rllib_adapter.resource_bundles(rllib_adapter.build_algorithm_config(config, main_resources))
     cluster.preflight(bundles, resources)
-    return Plan(config=config, resources=resources, bundles=bundles, main_process_resources=main_resources)
+    return Plan(config=config, resources=resources, bundles=bundles, main_process_resources=main_resources,
+                layout_note=layout_note)
 
 
 def _driver_node_resource() -> dict[str, float]:
@@ -198,10 +205,12 @@ def train_loop(plan: Plan) -> int:
     config, run_dir = plan.config, plan.run_dir
     started = _process_start_time()  # wall time counts from the command's start, Ray start-up included
     progress.print_start(run_dir, config, plan.resources.describe())
+    if plan.layout_note:
+        progress.console.print(plan.layout_note)
     host, pg = _start_algorithm(plan)
     try:
-        rundir.record_placement(run_dir, {"algorithm_node": ray.get(host.node_id.remote()),
-                                          "env_runner_nodes": ray.get(host.env_runner_nodes.remote())})
+        rundir.record_start(run_dir, "placement", {"algorithm_node": ray.get(host.node_id.remote()),
+                                                   "env_runner_nodes": ray.get(host.env_runner_nodes.remote())})
         if plan.resume_from:
             ray.get(host.restore.remote(str(plan.resume_from.path.resolve())))
     except ray.exceptions.RayError as exc:
@@ -216,6 +225,7 @@ def train_loop(plan: Plan) -> int:
     checkpoints = CheckpointManager(run_dir / "checkpoints", config.checkpoint.keep_last, config.checkpoint.keep_best)
     logger = RunLogger(run_dir, config, fresh=plan.resume_from is None)
     monitor = SystemMonitor()
+    startup = {"ray_ready_s": (plan.ray_ready_at or started) - started, "algorithm_ready_s": time.time() - started}
     last: Optional[dict[str, Any]] = None
     saved: Optional[Path] = None
     stall = StallGuard()
@@ -231,6 +241,8 @@ def train_loop(plan: Plan) -> int:
             m.update(window.summary(), **monitor.sample(), wall_time_s=wall_s, timestamp=time.time())
             logger.log(m)
             progress.print_iteration(m, config.scale.env_runners)
+            if last is None:
+                _record_startup(run_dir, startup, m, time.time() - started)
             last = m
             stall.update(m)
             reason = _stop_reason(config, m, window.full, wall_s) or stop_flag.reason
@@ -248,6 +260,16 @@ def train_loop(plan: Plan) -> int:
         _stop_quietly(host, pg)
     progress.print_summary(run_dir, reason, last, saved, time.time() - started)
     return 0
+
+
+def _record_startup(run_dir: Path, startup: dict[str, float], first: dict[str, Any], now_s: float) -> None:
+    """Where the time before training went, from the command's start (read by `bench solve`)."""
+    startup = {**startup, "first_sample_s": startup["algorithm_ready_s"] + (first.get("time/sample_s") or 0.0),
+               "first_iteration_s": now_s}
+    rundir.record_start(run_dir, "startup", startup)
+    progress.console.print(
+        f"start-up: Ray ready {startup['ray_ready_s']:.1f} s, algorithm built {startup['algorithm_ready_s']:.1f} s, "
+        f"first batch sampled {startup['first_sample_s']:.1f} s after the command started", style="dim")
 
 
 def _last_line(exc: BaseException) -> str:

@@ -8,6 +8,12 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.fixture(scope="session", autouse=True)
+def hermetic_layout_cache(tmp_path_factory):
+    """`--profile auto` reads layouts that `bench throughput` measured on this machine: tests start from none."""
+    os.environ["RLPLATFORM_CACHE_DIR"] = str(tmp_path_factory.mktemp("rlplatform-cache"))
+
+
 def run_cli(*args: str, timeout: float = 600, cwd: Path = ROOT, env: dict | None = None) -> subprocess.CompletedProcess:
     """Run `python -m rlplatform ARGS` as a user would, in its own process."""
     return subprocess.run(

@@ -1,24 +1,91 @@
-"""`rlplatform bench throughput`: the raw env limit and real RLlib env runners sampling per layout."""
+"""`rlplatform bench`: throughput (and the layout cache `--profile auto` reads), solve, soak, gpu.
+
+Every verb runs the real thing: real RLlib env runners, real `train` processes on a private Ray instance.
+"""
 
 import json
 
+import yaml
+
 from conftest import ROOT, assert_user_error, run_cli
 
+DEFAULT = ROOT / "experiments" / "cartpole_ppo.yaml"
 
-def test_throughput_measures_raw_limit_and_each_layout(tmp_path):
-    result = run_cli("bench", "throughput", ROOT / "experiments" / "cartpole_ppo.yaml", "--layouts", "1x1", "1x4xasync", "9x1",
-                     "--seconds", "1.5", "-o", tmp_path, timeout=300)
+
+def test_throughput_measures_raw_limit_and_each_layout_and_auto_uses_the_best(tmp_path):
+    cache = {"RLPLATFORM_CACHE_DIR": str(tmp_path / "cache")}
+    result = run_cli("bench", "throughput", DEFAULT, "--layouts", "1x1", "1x4xasync", "1x16", "9x1",
+                     "--seconds", "1.5", "-o", tmp_path, timeout=300, env=cache)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "9x1xsync: skipped, needs 9 CPUs" in result.stdout
     data = json.loads((tmp_path / "throughput-CartPole-v1.json").read_text())
     assert data["raw_env_steps_per_s"] > 1000  # CartPole stepped raw does tens of thousands per second
     layouts = {row["layout"]: row for row in data["layouts"]}
-    assert set(layouts) == {"1x1xsync", "1x4xasync"}
+    assert set(layouts) == {"1x1xsync", "1x4xasync", "1x16xsync"}
     for row in layouts.values():
         assert row["env_steps_per_s"] > 0
         assert row["ratio_to_raw_per_runner"] == row["env_steps_per_s"] / (data["raw_env_steps_per_s"] * row["env_runners"])
     assert (tmp_path / "throughput-CartPole-v1.png").stat().st_size > 5000
 
+    best = max(layouts.values(), key=lambda r: r["env_steps_per_s"])
+    printed = run_cli("train", "--print-config", env=cache)
+    assert printed.returncode == 0, printed.stderr
+    scale = yaml.safe_load(printed.stdout)["scale"]
+    assert (scale["envs_per_runner"], scale["vectorize"]) == (best["envs_per_runner"], best["vectorize"])
+    # --set still wins, and without a measurement the experiment's own layout stays.
+    fixed = run_cli("train", "--print-config", "--set", "scale.envs_per_runner=3", env=cache)
+    assert yaml.safe_load(fixed.stdout)["scale"]["envs_per_runner"] == 3
+    fresh = run_cli("train", "--print-config", env={"RLPLATFORM_CACHE_DIR": str(tmp_path / "empty")})
+    assert yaml.safe_load(fresh.stdout)["scale"]["envs_per_runner"] == yaml.safe_load(DEFAULT.read_text())["scale"]["envs_per_runner"]
 
-def test_bad_layout_is_refused_before_ray_starts(tmp_path):
+
+def test_solve_reports_each_seed_and_the_median_with_startup_apart(tmp_path):
+    result = run_cli("bench", "solve", "--seeds", "2", "--set", "stop.return_mean=40", "--set", "checkpoint.every=0",
+                     "-o", tmp_path, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    (path,) = tmp_path.glob("solve-cartpole-ppo-*/solve.json")
+    data = json.loads(path.read_text())
+    assert [s["seed"] for s in data["seeds"]] == [0, 1]
+    for seed in data["seeds"]:
+        assert seed["solved"], seed
+        startup = seed["startup"]
+        assert 0 < startup["ray_ready_s"] <= startup["algorithm_ready_s"] <= startup["first_sample_s"] <= seed["time_to_solve_s"]
+        assert 0 < seed["env_steps_to_solve"] <= 100_000
+        metrics = (ROOT / seed["run_dir"] / "metrics.jsonl").read_text().splitlines()
+        assert json.loads(metrics[-1])["return/mean"] >= 40
+    times = sorted(s["time_to_solve_s"] for s in data["seeds"])
+    assert data["median"]["time_to_solve_s"] == sum(times) / 2
+    assert "median" in result.stdout
+
+
+def test_soak_reads_memory_of_driver_algorithm_and_runner(tmp_path):
+    result = run_cli("bench", "soak", "--minutes", "0.75", "--warmup-minutes", "0.2", "--interval", "2",
+                     "--set", "scale.env_runners=1", "-o", tmp_path, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    (path,) = tmp_path.glob("soak-cartpole-ppo-*/soak.json")
+    data = json.loads(path.read_text())
+    roles = {p["role"] for p in data["processes"]}
+    assert {"driver", "algorithm + local learner", "env runner"} <= roles, roles
+    for p in data["processes"]:
+        if p["role"] != "ray system":
+            assert p["growth"] is not None and p["rss_after_warmup_mb"] > 50, p
+    assert data["worst_growth"] == max(p["growth"] for p in data["processes"] if p["role"] != "ray system")
+    assert (path.parent / "soak.png").stat().st_size > 5000
+    assert "worst growth" in result.stdout
+
+
+def test_bad_bench_input_is_refused_before_ray_starts(tmp_path):
     assert_user_error(run_cli("bench", "throughput", "--layouts", "2by8", "-o", tmp_path), "--layouts", "2by8")
+    assert_user_error(run_cli("bench", "solve", "--seeds", "0", "-o", tmp_path), "--seeds")
+    assert_user_error(run_cli("bench", "solve", "--set", "stop.return_mean=null", "-o", tmp_path), "stop.return_mean")
+    assert_user_error(run_cli("bench", "solve", "--set", "training.lrr=1", "-o", tmp_path), "training.lrr")
+    assert_user_error(run_cli("bench", "soak", "--minutes", "1", "--warmup-minutes", "2", "-o", tmp_path), "--warmup-minutes")
+    assert not list(tmp_path.iterdir())
+
+
+def test_gpu_preset_refuses_a_machine_without_gpu(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        return  # on a GPU machine the preset runs for real: `rlplatform bench gpu`
+    assert_user_error(run_cli("bench", "gpu", "-o", tmp_path), "needs a GPU")

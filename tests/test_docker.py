@@ -73,7 +73,7 @@ def test_image_layout(dockerfile: Path) -> None:
     steps = instructions(dockerfile)
     runs = [args for kind, args in steps if kind == "RUN"]
     torch_at = next(i for i, args in enumerate(runs) if re.search(r"pip install \"?torch==", args))
-    project_at = next(i for i, args in enumerate(runs) if re.search(r"pip install \.(\s|$)", args))
+    project_at = next(i for i, args in enumerate(runs) if re.search(r"pip install \"?\.(\[[a-z,]+\])?\"?(\s|$)", args))
     assert torch_at < project_at, "torch must be installed before the project"
     users = [args for kind, args in steps if kind == "USER"]
     assert users and users[-1].split(":")[0] not in ("root", "0"), "the image must run as a non-root user"

@@ -42,7 +42,9 @@ def _train(head: RayNode, runs: Path, *extra: str, stop_iterations: int) -> subp
     return subprocess.Popen(
         [sys.executable, "-m", "rlplatform", "train", "--address", head.address, "--runs-dir", str(runs),
          "--set", "scale.placement=spread", "--set", "scale.env_runners=2", "--set", "hardware.driver_cpus=1",
-         "--set", f"stop.iterations={stop_iterations}", *TINY, *extra],
+         # Only the iteration count stops these runs (the lean sampler reaches 100k env steps sooner).
+         "--set", f"stop.iterations={stop_iterations}", "--set", "stop.env_steps=null", "--set", "stop.return_mean=null",
+         *TINY, *extra],
         cwd=ROOT, env=head.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
 

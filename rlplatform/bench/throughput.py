@@ -22,7 +22,7 @@ from rlplatform import progress
 from rlplatform.errors import UserError
 
 LAYOUT = re.compile(r"^(\d+)x(\d+)(?:x(sync|async))?$")
-DEFAULT_LAYOUTS = ["1x1", "1x8", "1x16", "1x8xasync", "2x8"]
+DEFAULT_LAYOUTS = ["1x1", "1x8", "1x16", "1x64", "1x8xasync", "2x8", "2x32"]
 RAW_ENVS = 16
 
 
@@ -43,9 +43,7 @@ class Layout:
         return f"{self.env_runners}x{self.envs_per_runner}x{self.vectorize}"
 
 
-def add_parser(subparsers) -> None:
-    p = subparsers.add_parser("bench", help="benchmarks: sampling throughput against the env's raw limit")
-    verbs = p.add_subparsers(dest="bench_verb", metavar="throughput", required=True, parser_class=type(p))
+def add_verb(verbs) -> None:
     q = verbs.add_parser("throughput", help="raw env steps/s, then RLlib sampling throughput per layout (learning off)")
     q.add_argument("experiment", nargs="?", type=Path, help="experiment YAML (default: experiments/cartpole_ppo.yaml)")
     q.add_argument("--layouts", nargs="+", default=DEFAULT_LAYOUTS, metavar="RxE[xMODE]",
@@ -54,11 +52,11 @@ def add_parser(subparsers) -> None:
     q.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="as for train")
     q.add_argument("--address", help="measure on this Ray cluster (default: a private local instance)")
     q.add_argument("-o", "--output", type=Path, default=Path("bench"), help="directory for the JSON and PNG (default: bench)")
-    q.set_defaults(func=run_throughput)
+    q.set_defaults(func=run)
 
 
-def run_throughput(args: argparse.Namespace) -> int:
-    from rlplatform import cluster
+def run(args: argparse.Namespace) -> int:
+    from rlplatform import cluster, layout_cache
     from rlplatform.experiment import resolve_experiment
     from rlplatform.rllib_adapter import check, is_multi_agent_env
 
@@ -96,6 +94,11 @@ def run_throughput(args: argparse.Namespace) -> int:
     stem.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
     plot(result, stem.with_suffix(".png"))
     progress.console.print(f"written: {stem.with_suffix('.json')}, {stem.with_suffix('.png')}")
+    if rows:
+        cache = layout_cache.record(resources.cpus, resources.gpus, base.env, dict(base.env_config), rows, stem.with_suffix(".json"))
+        best = max(rows, key=lambda r: r["env_steps_per_s"] / r["env_runners"])
+        progress.console.print(f"best per runner: {best['layout']}; `train --profile auto` on this machine uses its envs per "
+                               f"runner and vectorisation for {base.env} (cache: {cache})")
     return 0
 
 
@@ -131,7 +134,11 @@ def raw_steps_per_second(env: str, env_config: dict[str, Any], seconds: float) -
 
 
 def sampling_steps_per_second(config, seconds: float) -> float:
-    """All env runners of the layout sample in parallel, policy in the loop, no learner."""
+    """All env runners of the layout sample in parallel, policy in the loop, no learner.
+
+    Two requests stay in flight per runner, so a runner samples the next fragment while the
+    driver receives the last one (as an asynchronous algorithm keeps its runners busy).
+    """
     import ray
 
     from rlplatform.rllib_adapter import remote_env_runners
@@ -140,10 +147,13 @@ def sampling_steps_per_second(config, seconds: float) -> float:
     try:
         fragment = 50 * config.scale.envs_per_runner
         ray.get([r.sample.remote(num_timesteps=fragment) for r in runners])  # warm-up: envs and module built
+        in_flight = {r.sample.remote(num_timesteps=fragment): r for r in runners for _ in range(2)}
         steps, start = 0, time.perf_counter()
         while time.perf_counter() - start < seconds:
-            batches = ray.get([r.sample.remote(num_timesteps=fragment) for r in runners])
-            steps += sum(e.env_steps() for episodes in batches for e in episodes)
+            (ready,), _ = ray.wait(list(in_flight))
+            runner = in_flight.pop(ready)
+            steps += sum(e.env_steps() for e in ray.get(ready))
+            in_flight[runner.sample.remote(num_timesteps=fragment)] = runner
         return steps / (time.perf_counter() - start)
     finally:
         for runner in runners:

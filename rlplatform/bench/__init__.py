@@ -1,0 +1,18 @@
+"""`rlplatform bench VERB`: where the time and memory go, measured on the real training path.
+
+- `throughput`: the env's raw stepping limit, then RLlib sampling per layout (learning off).
+- `solve`: wall time and env steps until the experiment's stop return, per seed, start-up apart.
+- `soak`: resident memory of the driver and every runner and learner over a long run.
+- `gpu`: the Atari Pong APPO preset on a GPU learner: learner throughput and GPU utilisation.
+"""
+
+from __future__ import annotations
+
+
+def add_parser(subparsers) -> None:
+    from rlplatform.bench import gpu, soak, solve, throughput
+
+    p = subparsers.add_parser("bench", help="benchmarks: sampling throughput, time to solve, memory soak, GPU learner")
+    verbs = p.add_subparsers(dest="bench_verb", metavar="{throughput,solve,soak,gpu}", required=True, parser_class=type(p))
+    for verb in (throughput, solve, soak, gpu):
+        verb.add_verb(verbs)

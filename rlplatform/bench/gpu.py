@@ -1,0 +1,79 @@
+"""`rlplatform bench gpu`: the GPU learner preset, Atari Pong APPO, ready for the day a GPU is at hand.
+
+Trains `experiments/pong_appo.yaml` (or the experiment given) with the `workstation-1gpu` profile
+(learner on the GPU in the main process, env runners on the spare cores) for `--minutes`, as a real
+`train` process, then reads its metrics: env steps the learner trained per second (each sample
+counted once), env steps sampled per second and GPU utilisation (nvidia-smi, sampled each
+iteration), as medians over the iterations after the warm-up. Refuses to start without a GPU.
+Results: `<output>/gpu-<name>-<time>/gpu.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from rlplatform import progress
+from rlplatform.bench.training_runs import add_training_arguments, bench_dir, check_experiment, median, run_training, write_json
+from rlplatform.errors import TrainingFailed, UserError
+
+PRESET = Path("experiments/pong_appo.yaml")
+PROFILE = "workstation-1gpu"
+
+
+def add_verb(verbs) -> None:
+    q = verbs.add_parser("gpu", help=f"GPU learner throughput and utilisation: {PRESET.stem} on the {PROFILE} profile")
+    add_training_arguments(q, default_experiment=str(PRESET))
+    q.add_argument("--minutes", type=float, default=5.0, help="how long to train (default: 5)")
+    q.add_argument("--warmup-minutes", type=float, default=1.0, help="iterations before this are left out (default: 1)")
+    q.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from rlplatform import cluster
+
+    if args.minutes <= 0 or not 0 <= args.warmup_minutes < args.minutes:
+        raise UserError("--minutes must be > 0 and --warmup-minutes between 0 and --minutes")
+    args.experiment = args.experiment or _preset_path()
+    args.profile = args.profile or PROFILE
+    if not args.address and cluster.local_resources().gpus < 1:
+        raise UserError("bench gpu needs a GPU: torch sees no CUDA device on this machine (give --address for a GPU cluster)")
+    config = check_experiment(args)
+    root = bench_dir(args.output, "gpu", config.name)
+    limits = [f"stop.wall_time_s={60 * args.minutes:g}", "stop.return_mean=null", "stop.env_steps=null", "stop.iterations=null"]
+    progress.console.print(f"bench gpu: training {config.name} ({args.profile}) for {args.minutes:g} min")
+    run_ = run_training(args, root / "run", limits, timeout_s=60 * args.minutes + 600)
+    if run_.returncode != 0:
+        raise TrainingFailed(run_.failure())
+    summary = summarize(run_.metrics, 60 * args.warmup_minutes)
+    result = {"experiment": config.name, "profile": args.profile, "minutes": args.minutes, **summary, "run_dir": str(run_.run_dir)}
+    path = write_json(root / "gpu.json", result)
+    progress.console.print(
+        f"learner: {_fmt(summary['env_steps_trained_per_s'])} env steps trained/s, sampling {_fmt(summary['env_steps_sampled_per_s'])}/s, "
+        f"GPU utilisation {_fmt(summary['gpu_util_percent'])} % (medians over {summary['iterations_measured']} iterations after warm-up)")
+    progress.console.print(f"written: {path}")
+    return 0
+
+
+def summarize(metrics: list[dict[str, Any]], warmup_s: float) -> dict[str, Any]:
+    measured = [m for m in metrics if m.get("wall_time_s", 0) >= warmup_s] or metrics[-1:]
+    gpu_util = [v for m in measured for k, v in m.items() if k.startswith("system/gpu") and k.endswith("/util_percent")]
+    return {
+        "iterations_measured": len(measured),
+        "env_steps_trained_per_s": median([m["throughput/env_steps_trained_per_s"] for m in measured if "throughput/env_steps_trained_per_s" in m]),
+        "env_steps_sampled_per_s": median([m["throughput/env_steps_sampled_per_s"] for m in measured if "throughput/env_steps_sampled_per_s" in m]),
+        "gpu_util_percent": median(gpu_util),
+        "final_return_mean": metrics[-1].get("return/mean") if metrics else None,
+        "env_steps": metrics[-1].get("env_steps") if metrics else None,
+    }
+
+
+def _preset_path() -> Path:
+    from rlplatform.experiment import PROJECT_ROOT
+
+    return PRESET if PRESET.is_file() else PROJECT_ROOT / PRESET
+
+
+def _fmt(value) -> str:
+    return "-" if value is None else f"{value:,.0f}"

@@ -1,0 +1,183 @@
+"""`rlplatform bench soak EXPERIMENT --minutes M`: does any process's memory grow while training?
+
+One real `train` process runs for M minutes (its stop criteria replaced by a wall-time limit).
+Every `--interval` seconds the resident memory (RSS) of the driver and of every Ray worker below it
+(the algorithm host, which holds a local learner, each env runner, each remote learner) is read
+with psutil. Growth per process is measured from the end of the warm-up (default: the first two
+minutes, as long runs allocate their buffers early) to the end of the run, on the median of the
+last few samples of each span, so that one garbage-collection spike does not decide it.
+Results: `<output>/soak-<name>-<time>/soak.json` and `soak.png`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from rlplatform import progress
+from rlplatform.bench.training_runs import (
+    add_training_arguments, bench_dir, check_experiment, finish, median, start, train_command, write_json,
+)
+from rlplatform.errors import TrainingFailed, UserError
+
+GROWTH_TARGET = 0.05
+SPAN_SAMPLES = 3  # samples whose median stands for "RSS at the end of the warm-up" and "RSS at the end"
+ROLES = {  # Ray's process title of an actor is "ray::<ClassName>[.method]"
+    "AlgorithmHost": "algorithm + local learner",
+    "LeanEnvRunner": "env runner",
+    "SingleAgentEnvRunner": "env runner",
+    "MultiAgentEnvRunner": "env runner",
+    "Learner": "learner",
+}
+
+
+def add_verb(verbs) -> None:
+    q = verbs.add_parser("soak", help="resident memory of the driver and every runner and learner over a long run")
+    add_training_arguments(q)
+    q.add_argument("--minutes", type=float, default=20.0, help="how long to train (default: 20)")
+    q.add_argument("--warmup-minutes", type=float, help="growth is measured after this (default: 2, or a tenth of short runs)")
+    q.add_argument("--interval", type=float, default=10.0, help="seconds between memory samples (default: 10)")
+    q.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.minutes <= 0 or args.interval <= 0:
+        raise UserError("--minutes and --interval must be > 0")
+    if args.address:
+        raise UserError("bench soak reads the memory of a local run's processes; it does not take --address")
+    warmup_s = 60 * (args.warmup_minutes if args.warmup_minutes is not None else min(2.0, args.minutes / 10))
+    if warmup_s >= 60 * args.minutes:
+        raise UserError(f"--warmup-minutes ({warmup_s / 60:g}) must be shorter than --minutes ({args.minutes:g})")
+    config = check_experiment(args)
+    root = bench_dir(args.output, "soak", config.name)
+    # Only the clock stops this run; checkpoints and everything else stay as the experiment has them.
+    limits = [f"stop.wall_time_s={60 * args.minutes:g}", "stop.return_mean=null", "stop.env_steps=null", "stop.iterations=null"]
+    proc, started = start(train_command(args, root / "run", limits), root / "run")
+    progress.console.print(f"soak: training {config.name} for {args.minutes:g} min, memory every {args.interval:g} s "
+                           f"(growth measured after {warmup_s / 60:g} min)")
+    samples = sample_memory(proc.pid, started, args.interval, poll=proc.poll)
+    run_ = finish(proc, started, root / "run", root / "run", timeout_s=120)
+    if run_.returncode != 0:
+        raise TrainingFailed(run_.failure())
+    processes = growth_per_process(samples, warmup_s)
+    watched = [p for p in processes if p["role"] != "ray system"]
+    worst = max((p["growth"] for p in watched if p["growth"] is not None), default=None)
+    result = {"experiment": config.name, "minutes": args.minutes, "warmup_s": warmup_s, "interval_s": args.interval,
+              "growth_target": GROWTH_TARGET, "worst_growth": worst, "within_target": worst is not None and worst < GROWTH_TARGET,
+              "env_steps": (run_.metrics[-1]["env_steps"] if run_.metrics else None), "processes": processes,
+              "samples": samples, "run_dir": str(run_.run_dir)}
+    path = write_json(root / "soak.json", result)
+    plot(samples, processes, warmup_s, root / "soak.png")
+    _print_table(processes, worst)
+    progress.console.print(f"written: {path}, {root / 'soak.png'}")
+    return 0
+
+
+def role_of(proc) -> Optional[str]:
+    """What a process under the driver is, from Ray's process title; None for ones we do not track."""
+    try:
+        cmdline = proc.cmdline()
+    except Exception:  # gone, or not ours to read
+        return None
+    title = cmdline[0] if cmdline else ""
+    if title.startswith("ray::"):
+        name = title[5:].split(".", 1)[0].split(" ", 1)[0]
+        if name in ROLES:
+            return ROLES[name]
+        if name.endswith("Learner"):  # PPOTorchLearner and friends, when remote
+            return "learner"
+        return None if name == "IDLE" else "ray system"
+    return "ray system"
+
+
+def sample_memory(driver_pid: int, started: float, interval_s: float, poll) -> list[dict[str, Any]]:
+    """RSS of the driver and its Ray descendants until the driver exits."""
+    import psutil
+
+    driver = psutil.Process(driver_pid)
+    samples = []
+    while poll() is None:
+        t = time.time() - started
+        rss: dict[str, dict[str, Any]] = {}
+        try:
+            procs = [driver, *driver.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            break
+        for p in procs:
+            role = "driver" if p.pid == driver_pid else role_of(p)
+            if role is None:
+                continue
+            try:
+                rss[str(p.pid)] = {"role": role, "rss": p.memory_info().rss}
+            except psutil.Error:
+                continue
+        samples.append({"t": t, "rss": rss})
+        deadline = time.time() + interval_s
+        while poll() is None and time.time() < deadline:
+            time.sleep(0.2)
+    return samples
+
+
+def growth_per_process(samples: list[dict[str, Any]], warmup_s: float) -> list[dict[str, Any]]:
+    pids = {pid: info["role"] for s in samples for pid, info in s["rss"].items()}
+    rows = []
+    for pid, role in sorted(pids.items(), key=lambda kv: (kv[1], int(kv[0]))):
+        series = [(s["t"], s["rss"][pid]["rss"]) for s in samples if pid in s["rss"]]
+        after = [rss for t, rss in series if t >= warmup_s]
+        baseline = median(after[:SPAN_SAMPLES]) if len(after) >= 2 * SPAN_SAMPLES else None
+        end = median(after[-SPAN_SAMPLES:]) if baseline is not None else None
+        rows.append({"pid": int(pid), "role": role, "first_s": series[0][0], "last_s": series[-1][0],
+                     "rss_after_warmup_mb": baseline / 2**20 if baseline else None, "rss_end_mb": end / 2**20 if end else None,
+                     "rss_max_mb": max(r for _, r in series) / 2**20,
+                     "growth": (end - baseline) / baseline if baseline else None})
+    return rows
+
+
+def _print_table(processes: list[dict[str, Any]], worst: Optional[float]) -> None:
+    from rich.table import Table
+
+    table = Table(title=f"resident memory after warm-up (target: < {GROWTH_TARGET:.0%} growth)")
+    for column in ("process", "pid", "after warm-up MB", "end MB", "max MB", "growth"):
+        table.add_column(column, justify="right")
+    for p in processes:
+        if p["role"] == "ray system":
+            continue
+        table.add_row(p["role"], str(p["pid"]), _mb(p["rss_after_warmup_mb"]), _mb(p["rss_end_mb"]), _mb(p["rss_max_mb"]),
+                      "-" if p["growth"] is None else f"{p['growth']:+.1%}")
+    system = [p for p in processes if p["role"] == "ray system"]
+    if system:
+        table.add_row(f"ray system ({len(system)})", "", "", "", _mb(sum(p["rss_max_mb"] for p in system)), "")
+    progress.console.print(table)
+    if worst is None:
+        progress.console.print("too few samples after the warm-up to measure growth; run longer or sample more often")
+    else:
+        progress.console.print(f"worst growth: {worst:+.1%} ({'within' if worst < GROWTH_TARGET else 'OVER'} the {GROWTH_TARGET:.0%} target)")
+
+
+def _mb(value: Optional[float]) -> str:
+    return "-" if value is None else f"{value:,.0f}"
+
+
+def plot(samples: list[dict[str, Any]], processes: list[dict[str, Any]], warmup_s: float, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 5))
+    for p in processes:
+        if p["role"] == "ray system":
+            continue
+        pid = str(p["pid"])
+        series = [(s["t"] / 60, s["rss"][pid]["rss"] / 2**20) for s in samples if pid in s["rss"]]
+        ax.plot(*zip(*series), label=f"{p['role']} ({pid})")
+    ax.axvline(warmup_s / 60, color="grey", linestyle="--", label="end of warm-up")
+    ax.set_xlabel("minutes since the command started")
+    ax.set_ylabel("resident memory (MB)")
+    ax.set_title("Memory soak: RSS per process")
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
