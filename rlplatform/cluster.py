@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from rlplatform.config import ExperimentConfig
+from rlplatform.config import ASYNCHRONOUS_ALGORITHMS, ExperimentConfig
 from rlplatform.errors import UserError
 
 TOKEN_FILE = Path.home() / ".ray" / "auth_token"
@@ -89,7 +89,8 @@ def cluster_resources() -> Resources:
 
 def size_to_cluster(config: ExperimentConfig, resources: Resources, explicit_keys: set[str]) -> ExperimentConfig:
     """`--profile auto`: a GPU learner when there is a GPU, one learner per GPU when there are
-    several, env runners over the CPUs left. Keys given with --set are left as they are."""
+    several, env runners over the CPUs left (none, sampling in the main process, where only one
+    would fit and the algorithm is synchronous). Keys given with --set are left as they are."""
     scale = config.scale.model_copy()
     hw = config.hardware.model_copy()
 
@@ -107,7 +108,13 @@ def size_to_cluster(config: ExperimentConfig, resources: Resources, explicit_key
     learner_cpus = learner_cpu_demand(scale.learners, hw.cpus_per_learner, hw.gpus_per_learner, hw.driver_cpus)
     free = resources.cpus - learner_cpus
     if hw.cpus_per_env_runner > 0:
-        choose(scale, "env_runners", max(0, math.floor(free / hw.cpus_per_env_runner + 1e-9)))
+        runners = max(0, math.floor(free / hw.cpus_per_env_runner + 1e-9))
+        if runners == 1 and scale.learners == 0 and config.algorithm not in ASYNCHRONOUS_ALGORITHMS:
+            # A synchronous algorithm samples, then learns: a single remote runner would wait while the
+            # learner works, and the learner while it samples. Sampling in the main process is as fast
+            # and saves a process start (seconds) and a copy of every batch.
+            runners = 0
+        choose(scale, "env_runners", runners)
     sized = config.model_copy(update={"scale": scale, "hardware": hw})
     return ExperimentConfig.model_validate(sized.model_dump())
 

@@ -19,6 +19,7 @@ from rlplatform.errors import UserError
 
 SCHEMA_VERSION = 1
 ALGORITHMS = ("PPO", "APPO", "IMPALA", "DQN", "SAC")
+ASYNCHRONOUS_ALGORITHMS = ("APPO", "IMPALA")  # they learn while their env runners sample
 DEFAULT_PROFILE = "auto"
 
 

@@ -76,12 +76,13 @@ def best_layout(cpus: float, gpus: float, env: str, env_config: dict[str, Any], 
 
 
 def apply_best_layout(config, cpus: float, gpus: float, explicit_keys: set[str]):
-    """`--profile auto`: envs per runner and vectorisation from the best measured layout, if any.
+    """`--profile auto`: envs per runner and vectorisation from the best measured layout, if any
+    (for sampling in the main process, the best one-runner layout: the same runner, the same envs).
 
     Returns the config and a line saying what was taken (None when nothing was cached).
     """
     scale = config.scale
-    if config.multi_agent is not None or scale.env_runners == 0:
+    if config.multi_agent is not None:
         return config, None
     best = best_layout(cpus, gpus, config.env, dict(config.env_config), scale.env_runners)
     if best is None:

@@ -29,6 +29,10 @@ from ray.rllib.env.single_agent_env_runner import SingleAgentEnvRunner
 from ray.rllib.utils.metrics import WEIGHTS_SEQ_NO
 from ray.rllib.utils.spaces.space_utils import clip_action, unsquash_action
 
+from rlplatform import torch_seed
+
+torch_seed.install()  # before EnvRunner.__init__ seeds torch in this process
+
 DEFAULT_ENV_TO_MODULE = ("AddObservationsFromEpisodesToBatch", "AddTimeDimToBatchAndZeroPad",
                          "AddStatesFromEpisodesToBatch", "BatchIndividualItems", "NumpyToTensor")
 DEFAULT_MODULE_TO_ENV = ("GetActions", "TensorToNumpy", "UnBatchToIndividualItems", "RemoveSingleTsTimeRankFromBatch",
@@ -39,8 +43,9 @@ LEAN_ACTION_SPACES = (gym.spaces.Discrete, gym.spaces.Box, gym.spaces.MultiDiscr
 class LeanEnvRunner(SingleAgentEnvRunner):
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
-        # As many torch threads as CPUs this actor reserved: no oversubscription (torch takes every core).
-        torch.set_num_threads(max(1, int(self.config.num_cpus_per_env_runner)))
+        if self.worker_index > 0:  # the local runner lives in the main process, which sets its own
+            # As many torch threads as CPUs this actor reserved: no oversubscription (torch takes every core).
+            torch.set_num_threads(max(1, int(self.config.num_cpus_per_env_runner)))
         self.lean = self.env is not None and lean_path_applies(self)
         self._step_callbacks = self.config.callbacks_on_episode_step is not None or any(
             type(c).on_episode_step is not RLlibCallback.on_episode_step for c in self._callbacks

@@ -35,10 +35,9 @@ def print_start(run_dir: Path, config, resources: str) -> None:
     scale = config.scale
     learners = f"{scale.learners} remote learner(s)" if scale.learners else "learner in the main process"
     gpu = f" on {config.hardware.gpus_per_learner:g} GPU each" if config.hardware.gpus_per_learner else ""
-    console.print(
-        f"[bold]rlplatform[/] {config.algorithm} on {config.env}: {scale.env_runners} env runner(s) x "
-        f"{scale.envs_per_runner} envs ({scale.vectorize}), {learners}{gpu}; cluster: {resources}"
-    )
+    sampling = (f"{scale.env_runners} env runner(s) x {scale.envs_per_runner} envs ({scale.vectorize})" if scale.env_runners
+                else f"sampling in the main process, {scale.envs_per_runner} envs ({scale.vectorize})")
+    console.print(f"[bold]rlplatform[/] {config.algorithm} on {config.env}: {sampling}, {learners}{gpu}; cluster: {resources}")
     console.print(f"run directory: {run_dir}")
 
 

@@ -1,7 +1,8 @@
 """`rlplatform train`: resolve, check, size, start Ray, train, log, checkpoint, stop.
 
 Read top to bottom: `run` prepares everything that can fail on bad input before Ray starts,
-then `train_loop` drives the Algorithm (held by an actor in the run's placement group).
+then `train_loop` drives the Algorithm (in the driver when a local run is one CPU process, else in
+an actor of the run's placement group: see algorithm_host).
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from rlplatform.config import ExperimentConfig, apply_override, parse_override, 
 from rlplatform.errors import TrainingFailed, UserError
 from rlplatform.experiment import ResolvedExperiment, resolve_experiment
 
-PLACEMENT_TIMEOUT_S = 60.0
 STALL_TIMEOUT_S = 300.0
 
 
@@ -50,6 +50,7 @@ class Plan:
     run_dir: Optional[Path] = None
     layout_note: Optional[str] = None  # where `--profile auto` took a measured layout from
     ray_ready_at: Optional[float] = None  # time.time() when Ray was up
+    algorithm_in_driver: bool = False  # see algorithm_host: a local run in one process, without GPUs
 
 
 def run(args: argparse.Namespace) -> int:
@@ -63,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
             connected = True
         else:
             resources = cluster.local_resources()
-        plan = _plan(resolved, resources, pin_to_driver_node=bool(args.address), resize=not args.resume)
+        plan = _plan(resolved, resources, joined_cluster=bool(args.address), resize=not args.resume)
         if args.resume:
             plan.run_dir = args.resume
             plan.resume_from = _checkpoint_to_resume(args.resume)
@@ -82,6 +83,8 @@ def run(args: argparse.Namespace) -> int:
             url = dashboard.start(plan.run_dir, port=args.dashboard_port)
             progress.console.print(f"TensorBoard: {url}")
         if not connected:
+            if plan.algorithm_in_driver:
+                _import_in_background("torch._dynamo")  # the learner's optimizer needs it; Ray takes as long to start
             cluster.connect(None, plan.resources)
             connected = True
         plan.ray_ready_at = time.time()
@@ -89,6 +92,25 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if connected:
             cluster.shutdown()
+
+
+def _import_in_background(module: str) -> None:
+    """Import a slow module in a thread while the main thread waits on something else (Ray's start).
+
+    torch's optimizers import torch._dynamo (1.7 s of CPU on 2 cores) when the first one is built;
+    `ray.init` spends most of its 2-3 s waiting for Ray's processes. If the import fails here, it
+    fails again, with its real error, where it is needed.
+    """
+    import importlib
+    import threading
+
+    def run() -> None:
+        try:
+            importlib.import_module(module)
+        except BaseException:  # noqa: BLE001 - see the docstring
+            pass
+
+    threading.Thread(target=run, name=f"import {module}", daemon=True).start()
 
 
 def _resolve(args: argparse.Namespace) -> ResolvedExperiment:
@@ -105,7 +127,7 @@ def _resolve(args: argparse.Namespace) -> ResolvedExperiment:
     return ResolvedExperiment(config=validate(data, source=str(config_path)), source=config_path)
 
 
-def _plan(resolved: ResolvedExperiment, resources: cluster.Resources, pin_to_driver_node: bool, resize: bool) -> Plan:
+def _plan(resolved: ResolvedExperiment, resources: cluster.Resources, joined_cluster: bool, resize: bool) -> Plan:
     from rlplatform import layout_cache, rllib_adapter
 
     config = resolved.config
@@ -114,11 +136,12 @@ def _plan(resolved: ResolvedExperiment, resources: cluster.Resources, pin_to_dri
     if config.profile == "auto" and resize:  # a resumed run keeps the size it was started with
         config = cluster.size_to_cluster(config, resources, resolved.explicit_keys)
         config, layout_note = layout_cache.apply_best_layout(config, resources.cpus, resources.gpus, resolved.explicit_keys)
-    main_resources = _driver_node_resource() if pin_to_driver_node else {}
+    main_resources = _driver_node_resource() if joined_cluster else {}
     bundles = rllib_adapter.resource_bundles(rllib_adapter.build_algorithm_config(config, main_resources))
     cluster.preflight(bundles, resources)
+    one_cpu_process = len(bundles) == 1 and not bundles[0].get("GPU", 0)  # no runner or learner actors, no GPU
     return Plan(config=config, resources=resources, bundles=bundles, main_process_resources=main_resources,
-                layout_note=layout_note)
+                layout_note=layout_note, algorithm_in_driver=one_cpu_process and not joined_cluster)
 
 
 def _driver_node_resource() -> dict[str, float]:
@@ -158,31 +181,6 @@ class StopFlag:
             signal.signal(s, handler)
 
 
-def _start_algorithm(plan: Plan):
-    import ray
-    from ray.util.placement_group import placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-    from rlplatform.algorithm_host import AlgorithmHost
-
-    main_bundle = {**plan.bundles[0], **plan.main_process_resources}
-    pg = placement_group([main_bundle, *plan.bundles[1:]], strategy=plan.config.scale.placement.upper())
-    try:
-        ray.get(pg.ready(), timeout=PLACEMENT_TIMEOUT_S)
-    except ray.exceptions.GetTimeoutError:
-        raise UserError(
-            f"Ray could not place the run's actors within {PLACEMENT_TIMEOUT_S:.0f} s "
-            f"(bundles {plan.bundles}, cluster {plan.resources.describe()}, placement {plan.config.scale.placement})"
-        ) from None
-    host = ray.remote(AlgorithmHost).options(
-        num_cpus=main_bundle.get("CPU", 0),
-        num_gpus=main_bundle.get("GPU", 0),
-        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0,
-                                                             placement_group_capture_child_tasks=True),
-    ).remote(plan.config, plan.main_process_resources)
-    return host, pg
-
-
 def _stop_reason(config: ExperimentConfig, m: dict[str, Any], window_full: bool, wall_s: float) -> Optional[str]:
     stop = config.stop
     if stop.return_mean is not None and window_full and m.get("return/mean", float("-inf")) >= stop.return_mean:
@@ -197,8 +195,8 @@ def _stop_reason(config: ExperimentConfig, m: dict[str, Any], window_full: bool,
 
 
 def train_loop(plan: Plan) -> int:
-    import ray
-
+    from rlplatform import algorithm_host
+    from rlplatform.algorithm_host import HostFailed
     from rlplatform.metrics import EpisodeWindow, RunLogger
     from rlplatform.system_monitor import SystemMonitor
 
@@ -207,15 +205,17 @@ def train_loop(plan: Plan) -> int:
     progress.print_start(run_dir, config, plan.resources.describe())
     if plan.layout_note:
         progress.console.print(plan.layout_note)
-    host, pg = _start_algorithm(plan)
+    host = None
     try:
-        rundir.record_start(run_dir, "placement", {"algorithm_node": ray.get(host.node_id.remote()),
-                                                   "env_runner_nodes": ray.get(host.env_runner_nodes.remote())})
+        host = algorithm_host.start(config, plan.bundles, plan.main_process_resources, in_driver=plan.algorithm_in_driver)
+        rundir.record_start(run_dir, "placement", {"algorithm_node": host.call("node_id"), "algorithm_in": host.where,
+                                                   "env_runner_nodes": host.call("env_runner_nodes")})
         if plan.resume_from:
-            ray.get(host.restore.remote(str(plan.resume_from.path.resolve())))
-    except ray.exceptions.RayError as exc:
-        _stop_quietly(host, pg)
-        raise TrainingFailed(f"the algorithm could not be built: {_last_line(exc)}") from None
+            host.call("restore", str(plan.resume_from.path.resolve()))
+    except HostFailed as exc:
+        if host is not None:
+            host.close()
+        raise TrainingFailed(f"the algorithm could not be built: {exc}") from None
     stop_flag = StopFlag()
     window, wall_before = EpisodeWindow(), 0.0
     if plan.resume_from:
@@ -233,9 +233,9 @@ def train_loop(plan: Plan) -> int:
     try:
         while reason is None:
             try:
-                m = ray.get(host.train.remote())
-            except ray.exceptions.RayError as exc:
-                raise TrainingFailed(_last_line(exc)) from None
+                m = host.call("train")
+            except HostFailed as exc:
+                raise TrainingFailed(str(exc)) from None
             window.add(m.pop("episode_returns"), m.pop("episode_lengths"))
             wall_s = wall_before + time.time() - started
             m.update(window.summary(), **monitor.sample(), wall_time_s=wall_s, timestamp=time.time())
@@ -249,7 +249,7 @@ def train_loop(plan: Plan) -> int:
             every = config.checkpoint.every
             if reason is not None or (every and m["iteration"] % every == 0):
                 saved = checkpoints.save(
-                    lambda path: ray.get(host.save.remote(path)),
+                    lambda path: host.call("save", path),
                     iteration=m["iteration"], env_steps=m["env_steps"], score=_score(m),
                     meta={"wall_time_s": wall_s, "episode_window": window.state(), "config": config.model_dump()},
                 )
@@ -257,7 +257,7 @@ def train_loop(plan: Plan) -> int:
         stop_flag.restore()
         logger.close()
         monitor.stop()
-        _stop_quietly(host, pg)
+        host.close()
     progress.print_summary(run_dir, reason, last, saved, time.time() - started)
     return 0
 
@@ -270,11 +270,6 @@ def _record_startup(run_dir: Path, startup: dict[str, float], first: dict[str, A
     progress.console.print(
         f"start-up: Ray ready {startup['ray_ready_s']:.1f} s, algorithm built {startup['algorithm_ready_s']:.1f} s, "
         f"first batch sampled {startup['first_sample_s']:.1f} s after the command started", style="dim")
-
-
-def _last_line(exc: BaseException) -> str:
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    return lines[-1] if lines else type(exc).__name__
 
 
 class StallGuard:
@@ -304,15 +299,3 @@ def _process_start_time() -> float:
 
 def _score(m: dict[str, Any]) -> Optional[float]:
     return m.get("eval/return_mean", m.get("return/mean"))
-
-
-def _stop_quietly(host, pg) -> None:
-    import ray
-    from ray.util.placement_group import remove_placement_group
-
-    try:
-        ray.get(host.stop.remote(), timeout=30)
-    except Exception:  # the run is over either way; never hide the real result behind a stop error
-        pass
-    ray.kill(host)
-    remove_placement_group(pg)

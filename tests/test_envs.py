@@ -51,7 +51,7 @@ def test_envs_check_refuses_an_env_that_cannot_be_built():
 ])
 def test_env_experiment_trains_with_remote_runners(experiment, extra, ray_head, runs):
     result = run_cli("train", ROOT / "experiments" / experiment, "--address", ray_head.address, "--runs-dir", runs,
-                     *QUICK, *extra, timeout=300)
+                     "--set", "scale.env_runners=1", *QUICK, *extra, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     run_dir = only_run_dir(runs, next(runs.iterdir()).name)
     last = read_metrics(run_dir)[-1]

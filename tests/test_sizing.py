@@ -13,9 +13,18 @@ def sized(cpus: float, gpus: float, overrides=()):
     return size_to_cluster(resolved.config, Resources(cpus, gpus, nodes), resolved.explicit_keys)
 
 
-def test_laptop_gets_one_runner_and_a_local_cpu_learner():
-    config = sized(2, 0)
-    assert (config.scale.env_runners, config.scale.learners, config.hardware.gpus_per_learner) == (1, 0, 0)
+def test_laptop_samples_and_learns_in_the_main_process_for_a_synchronous_algorithm():
+    config = sized(2, 0)  # one runner would fit: it would only wait while the learner works
+    assert (config.scale.env_runners, config.scale.learners, config.hardware.gpus_per_learner) == (0, 0, 0)
+
+
+def test_laptop_keeps_one_remote_runner_for_an_asynchronous_algorithm():
+    config = sized(2, 0, ["algorithm=APPO", "training={}"])
+    assert (config.scale.env_runners, config.scale.learners) == (1, 0)
+
+
+def test_three_cores_get_two_remote_runners():
+    assert sized(3, 0).scale.env_runners == 2
 
 
 def test_one_gpu_gets_a_local_gpu_learner_and_runners_on_every_other_core():

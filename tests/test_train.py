@@ -38,6 +38,7 @@ def test_two_iterations_with_remote_runners(algorithm, ray_head, runs):
     assert {"command", "versions", "host", "resources", "seed"} <= set(manifest)
     assert manifest["versions"]["ray"] == "2.60.0"
     assert len(manifest["placement"]["env_runner_nodes"]) == 1
+    assert manifest["placement"]["algorithm_in"] == "actor"  # on a cluster: in the run's placement group
     assert "algorithm: " + algorithm in (run_dir / "config.yaml").read_text()
 
     rows = read_metrics(run_dir)
@@ -95,6 +96,10 @@ def test_ctrl_c_checkpoints_and_exits_0_then_evaluate_records_video(runs, tmp_pa
     assert proc.returncode == 0, out + err
     assert "SIGINT" in out
     run_dir = metrics.parent
+    # On this 2-core machine --profile auto samples and learns in one process: the driver holds the Algorithm.
+    placement = json.loads((run_dir / "manifest.json").read_text())["placement"]
+    assert placement["algorithm_in"] == "driver" and placement["env_runner_nodes"] == [placement["algorithm_node"]]
+    assert "sampling in the main process" in out
     checkpoints = list((run_dir / "checkpoints").glob("checkpoint_*"))
     assert len(checkpoints) == 1 and not list((run_dir / "checkpoints").glob(".partial-*"))
 
@@ -107,6 +112,15 @@ def test_ctrl_c_checkpoints_and_exits_0_then_evaluate_records_video(runs, tmp_pa
     mp4s = sorted(videos.glob("*.mp4"))
     assert len(mp4s) == 2 and all(p.stat().st_size > 1000 for p in mp4s)
     assert mp4s[0].read_bytes()[4:8] == b"ftyp"  # a real MP4 container
+
+
+def test_an_env_that_fails_to_build_in_the_driver_fails_the_run_in_one_line(runs):
+    result = run_cli("train", "--runs-dir", runs, "--set", "env=rlplatform/CostlySim-v0", "--set", "env_config={work_ms: -1}",
+                     timeout=300)
+    assert result.returncode == 1, result.stdout + result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == ["error: training failed: the algorithm could not be built: work_ms and wait_ms must be >= 0"], result.stderr
+    assert "Traceback" not in result.stdout + result.stderr
 
 
 def test_own_env_and_lstm_model_in_remote_runners_then_evaluate(ray_head, runs):

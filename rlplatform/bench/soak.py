@@ -1,8 +1,9 @@
 """`rlplatform bench soak EXPERIMENT --minutes M`: does any process's memory grow while training?
 
 One real `train` process runs for M minutes (its stop criteria replaced by a wall-time limit).
-Every `--interval` seconds the resident memory (RSS) of the driver and of every Ray worker below it
-(the algorithm host, which holds a local learner, each env runner, each remote learner) is read
+Every `--interval` seconds the resident memory (RSS) of the driver (on a local CPU run it holds the
+Algorithm and its local learner) and of every Ray worker below it (the algorithm-host actor where
+there is one, each env runner, each remote learner) is read
 with psutil. Growth per process is measured from the end of the warm-up (default: the first two
 minutes, as long runs allocate their buffers early) to the end of the run, on the median of the
 last few samples of each span, so that one garbage-collection spike does not decide it.
