@@ -65,7 +65,8 @@ class ActorHost:
 
     where = "actor"
 
-    def __init__(self, config: ExperimentConfig, bundles: list[dict[str, float]], main_process_resources: dict[str, float]):
+    def __init__(self, config: ExperimentConfig, bundles: list[dict[str, float]], main_process_resources: dict[str, float],
+                 cluster: str):
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -79,7 +80,7 @@ class ActorHost:
             self._remove_placement_group()
             raise UserError(
                 f"Ray could not place the run's actors within {PLACEMENT_TIMEOUT_S:.0f} s "
-                f"(bundles {bundles}, placement {config.scale.placement})"
+                f"(bundles {bundles}, cluster {cluster}, placement {config.scale.placement})"
             ) from None
         self._actor = ray.remote(AlgorithmHost).options(
             num_cpus=main_bundle.get("CPU", 0),
@@ -136,8 +137,8 @@ Host = Union[ActorHost, InProcessHost]
 
 
 def start(config: ExperimentConfig, bundles: list[dict[str, float]], main_process_resources: dict[str, float],
-          in_driver: bool) -> Host:
-    return InProcessHost(config) if in_driver else ActorHost(config, bundles, main_process_resources)
+          cluster: str, in_driver: bool) -> Host:
+    return InProcessHost(config) if in_driver else ActorHost(config, bundles, main_process_resources, cluster)
 
 
 def last_line(exc: BaseException) -> str:

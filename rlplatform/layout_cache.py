@@ -1,8 +1,8 @@
 """The best sampling layout `bench throughput` measured, per machine and env, for `--profile auto`.
 
 `bench throughput` records the fastest layout (env runners x envs per runner x vectorisation) it
-measured; `train --profile auto` on the same machine then uses its envs per runner and vectorisation
-(and its runner count, if it fits beside the learner), unless the command line sets them. The file
+measured; `train --profile auto` on the same machine then uses the envs per runner and vectorisation
+of the best layout whose runner count fits what it sized, unless the command line sets them. The file
 is `~/.cache/rlplatform/layouts.json` (or `$RLPLATFORM_CACHE_DIR/layouts.json`), one entry per
 machine (host name, CPU count and model, GPU count) and env (id and env_config).
 """

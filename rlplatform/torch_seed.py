@@ -18,16 +18,13 @@ from __future__ import annotations
 import sys
 from typing import Optional
 
-_installed = False
-
 
 def install() -> None:
-    global _installed
-    if _installed:
-        return
     from ray.rllib.utils import torch_utils
     from ray.rllib.utils.debug import deterministic
 
+    if deterministic.set_torch_seed is not torch_utils.set_torch_seed:
+        return  # installed already
     rllib_set_torch_seed = torch_utils.set_torch_seed
 
     def set_torch_seed(seed: Optional[int] = None) -> None:
@@ -42,4 +39,3 @@ def install() -> None:
         torch.backends.cudnn.benchmark = False
 
     deterministic.set_torch_seed = set_torch_seed  # the name update_global_seed_if_necessary calls
-    _installed = True

@@ -207,7 +207,8 @@ def train_loop(plan: Plan) -> int:
         progress.console.print(plan.layout_note)
     host = None
     try:
-        host = algorithm_host.start(config, plan.bundles, plan.main_process_resources, in_driver=plan.algorithm_in_driver)
+        host = algorithm_host.start(config, plan.bundles, plan.main_process_resources, plan.resources.describe(),
+                                    in_driver=plan.algorithm_in_driver)
         rundir.record_start(run_dir, "placement", {"algorithm_node": host.call("node_id"), "algorithm_in": host.where,
                                                    "env_runner_nodes": host.call("env_runner_nodes")})
         if plan.resume_from:

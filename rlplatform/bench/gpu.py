@@ -15,7 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from rlplatform import progress
-from rlplatform.bench.training_runs import add_training_arguments, bench_dir, check_experiment, median, run_training, write_json
+from rlplatform.bench.training_runs import (
+    add_training_arguments, bench_dir, check_experiment, median, run_training, wall_clock_only, write_json,
+)
 from rlplatform.errors import TrainingFailed, UserError
 
 PRESET = Path("experiments/pong_appo.yaml")
@@ -41,9 +43,8 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("bench gpu needs a GPU: torch sees no CUDA device on this machine (give --address for a GPU cluster)")
     config = check_experiment(args)
     root = bench_dir(args.output, "gpu", config.name)
-    limits = [f"stop.wall_time_s={60 * args.minutes:g}", "stop.return_mean=null", "stop.env_steps=null", "stop.iterations=null"]
     progress.console.print(f"bench gpu: training {config.name} ({args.profile}) for {args.minutes:g} min")
-    run_ = run_training(args, root / "run", limits, timeout_s=60 * args.minutes + 600)
+    run_ = run_training(args, root / "run", wall_clock_only(args.minutes), timeout_s=60 * args.minutes + 600)
     if run_.returncode != 0:
         raise TrainingFailed(run_.failure())
     summary = summarize(run_.metrics, 60 * args.warmup_minutes)

@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 from rlplatform import progress
 from rlplatform.bench.training_runs import (
-    add_training_arguments, bench_dir, check_experiment, finish, median, start, train_command, write_json,
+    add_training_arguments, bench_dir, check_experiment, finish, median, start, train_command, wall_clock_only, write_json,
 )
 from rlplatform.errors import TrainingFailed, UserError
 
@@ -54,8 +54,7 @@ def run(args: argparse.Namespace) -> int:
     config = check_experiment(args)
     root = bench_dir(args.output, "soak", config.name)
     # Only the clock stops this run; checkpoints and everything else stay as the experiment has them.
-    limits = [f"stop.wall_time_s={60 * args.minutes:g}", "stop.return_mean=null", "stop.env_steps=null", "stop.iterations=null"]
-    proc, started = start(train_command(args, root / "run", limits), root / "run")
+    proc, started = start(train_command(args, root / "run", wall_clock_only(args.minutes)), root / "run")
     progress.console.print(f"soak: training {config.name} for {args.minutes:g} min, memory every {args.interval:g} s "
                            f"(growth measured after {warmup_s / 60:g} min)")
     samples = sample_memory(proc.pid, started, args.interval, poll=proc.poll)

@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any, Optional
 
 
-
 def add_training_arguments(q, default_experiment: str = "experiments/cartpole_ppo.yaml") -> None:
     q.add_argument("experiment", nargs="?", type=Path, help=f"experiment YAML (default: {default_experiment})")
     q.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="as for train")
@@ -58,6 +57,11 @@ def train_command(args, runs_dir: Path, extra_overrides: list[str] = ()) -> list
     if args.address:
         cmd += ["--address", args.address]
     return cmd
+
+
+def wall_clock_only(minutes: float) -> list[str]:
+    """Overrides that leave the clock as a run's only stop criterion."""
+    return [f"stop.wall_time_s={60 * minutes:g}", "stop.return_mean=null", "stop.env_steps=null", "stop.iterations=null"]
 
 
 def check_experiment(args) -> Any:
