@@ -47,6 +47,9 @@ class ScaleSection(Section):
     # lean: RLlib's env runner with its default per-step connectors done on the batch (rlplatform/lean_env_runner.py);
     # rllib: RLlib's own, unchanged. Both give the same episodes; lean falls back to rllib where it does not apply.
     sampler: Literal["lean", "rllib"] = "lean"
+    # lean: the learner's gradient step with one finiteness check and fused Adam (rlplatform/lean_learner.py;
+    # PPO, APPO, IMPALA); rllib: RLlib's own. Same maths; lean takes RLlib's path for non-finite gradients.
+    update: Literal["lean", "rllib"] = "lean"
     rollout_fragment_length: Union[int, Literal["auto"]] = "auto"
     learners: int = Field(0, ge=0)
     placement: Literal["pack", "spread", "strict_pack", "strict_spread"] = "pack"

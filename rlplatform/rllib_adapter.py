@@ -29,6 +29,7 @@ _TRAINING_ALIASES = {"lambda": "lambda_", "batch_size": "train_batch_size_per_le
 _PLACEMENT = {"pack": "PACK", "spread": "SPREAD", "strict_pack": "STRICT_PACK", "strict_spread": "STRICT_SPREAD"}
 EPISODE_RETURNS = "rlp_episode_returns"
 EPISODE_LENGTHS = "rlp_episode_lengths"
+LEAN_UPDATE_ALGORITHMS = ("PPO", "APPO", "IMPALA")
 RL_MODULE_SUBDIR = Path("learner_group") / "learner" / "rl_module"
 
 
@@ -176,7 +177,7 @@ def build_algorithm_config(config: ExperimentConfig, main_process_resources: Opt
             placement_strategy=_PLACEMENT[scale.placement],
             custom_resources_for_main_process=dict(main_process_resources or {}),
         )
-        .training(**_training_kwargs(config))
+        .training(**{**_learner_class(config), **_training_kwargs(config)})
         .rl_module(model_config=model_config(config))
         .callbacks(on_episode_end=_record_episode)
         .debugging(seed=config.seed, log_level="ERROR")
@@ -207,6 +208,14 @@ def _env_runner_class(config: ExperimentConfig):
     from rlplatform.lean_env_runner import LeanEnvRunner
 
     return LeanEnvRunner
+
+
+def _learner_class(config: ExperimentConfig) -> dict[str, Any]:
+    if config.scale.update == "rllib" or config.algorithm not in LEAN_UPDATE_ALGORITHMS:
+        return {}  # RLlib's default learner for the algorithm
+    from rlplatform.lean_learner import LEAN_LEARNERS
+
+    return {"learner_class": LEAN_LEARNERS[config.algorithm]}
 
 
 def resource_bundles(algo_config) -> list[dict[str, float]]:
