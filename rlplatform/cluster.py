@@ -52,6 +52,13 @@ def use_token_auth_for_address() -> None:
         os.environ.setdefault("RAY_AUTH_MODE", "token")
 
 
+# The raylet connects to its own object store over a socket and retries after
+# `raylet_client_connect_timeout_milliseconds` (1000) when the store thread is not listening yet:
+# measured here, half of all local starts lost exactly 1 s to that race. Retry every 100 ms
+# instead, as often over the same 10 s as before (workers connecting to the raylet use both too).
+FAST_LOCAL_START = {"raylet_client_connect_timeout_milliseconds": 100, "raylet_client_num_connect_attempts": 100}
+
+
 def connect(address: Optional[str], resources: Optional[Resources] = None) -> Resources:
     """Start a private local Ray instance (address None) or join the cluster at `address`."""
     import ray
@@ -65,6 +72,7 @@ def connect(address: Optional[str], resources: Optional[Resources] = None) -> Re
             num_cpus=int(resources.cpus),
             num_gpus=int(resources.gpus),
             include_dashboard=False,
+            _system_config=FAST_LOCAL_START,
             **common,
         )
     else:
