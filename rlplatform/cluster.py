@@ -6,13 +6,14 @@ joins a cluster that `ray start` left on the host. Token authentication stays on
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import Counter
 import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 from rlplatform.config import ASYNCHRONOUS_ALGORITHMS, ExperimentConfig
 from rlplatform.errors import UserError
@@ -59,28 +60,66 @@ def use_token_auth_for_address() -> None:
 FAST_LOCAL_START = {"raylet_client_connect_timeout_milliseconds": 100, "raylet_client_num_connect_attempts": 100}
 
 
-def connect(address: Optional[str], resources: Optional[Resources] = None) -> Resources:
-    """Start a private local Ray instance (address None) or join the cluster at `address`."""
+def connect(address: Optional[str], resources: Optional[Resources] = None, prestart_workers: bool = True) -> Resources:
+    """Start a private local Ray instance (address None) or join the cluster at `address`.
+
+    `prestart_workers=False` when the run will start no tasks or actors (the whole algorithm in
+    the driver): Ray would otherwise start one idle worker process per CPU beside the driver.
+    """
     import ray
 
     os.environ.setdefault("RAY_DEDUP_LOGS", "1")
     common = dict(logging_level=logging.ERROR, log_to_driver=False, configure_logging=True)
     if address is None:
         resources = resources or local_resources()
-        ray.init(
-            address="local",
-            num_cpus=int(resources.cpus),
-            num_gpus=int(resources.gpus),
-            include_dashboard=False,
-            _system_config=FAST_LOCAL_START,
-            **common,
-        )
+        with _lean_local_node():
+            ray.init(
+                address="local",
+                num_cpus=int(resources.cpus),
+                num_gpus=int(resources.gpus),
+                include_dashboard=False,
+                _system_config={**FAST_LOCAL_START, "prestart_worker_first_driver": prestart_workers},
+                **common,
+            )
     else:
         try:
             ray.init(address=address, **common)
         except (ConnectionError, RuntimeError, ValueError) as exc:
             raise UserError(f"cannot connect to the Ray cluster at {address!r}: {str(exc).splitlines()[0]}") from None
     return cluster_resources()
+
+
+@contextlib.contextmanager
+def _lean_local_node() -> Iterator[None]:
+    """While `ray.init` builds a private local node, build it without three Python processes.
+
+    `ray.init` always starts the dashboard head (with the dashboard off it serves only usage
+    statistics), the autoscaler monitor (nothing to scale on one fixed node) and the log monitor
+    (it streams worker output to the driver, and we pass log_to_driver=False). Each imports Ray
+    on start; on 2 cores they cost 2-3 s of a 10 s start-up, and `ray.init` waits for the
+    dashboard head's address. `ray.init` has no switch for them, but builds its node from
+    `ray._private.node.Node` (ray 2.60.0, pinned), whose RayParams have `no_monitor` and
+    `include_log_monitor`: a subclass sets those and starts no API server.
+    A cluster (`--address`, `ray start`, `ray up`) keeps all of them: the Jobs API needs the dashboard.
+    """
+    import ray._private.node as node_module
+
+    original = node_module.Node
+
+    class LeanLocalNode(original):
+        def __init__(self, ray_params, *args, **kwargs):
+            ray_params.no_monitor = True
+            ray_params.include_log_monitor = False
+            super().__init__(ray_params, *args, **kwargs)
+
+        def start_api_server(self, *, include_dashboard, raise_on_failure) -> None:
+            pass
+
+    node_module.Node = LeanLocalNode
+    try:
+        yield
+    finally:
+        node_module.Node = original
 
 
 def cluster_resources() -> Resources:

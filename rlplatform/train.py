@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
         if not connected:
             if plan.algorithm_in_driver:
                 _import_in_background("torch._dynamo")  # the learner's optimizer needs it; Ray takes as long to start
-            cluster.connect(None, plan.resources)
+            cluster.connect(None, plan.resources, prestart_workers=not plan.algorithm_in_driver)
             connected = True
         plan.ray_ready_at = time.time()
         return train_loop(plan)

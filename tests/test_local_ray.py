@@ -1,0 +1,73 @@
+"""The private local Ray instance of a run without --address: what it starts, and that it works.
+
+A local run starts the GCS, the raylet and its agents, but not the dashboard head, the autoscaler
+monitor or the log monitor (cluster._lean_local_node), and with `prestart_workers=False` no idle
+workers. Token authentication stays on. One real instance for the module.
+"""
+
+import psutil
+import pytest
+import ray
+from ray._private import ray_constants
+
+from rlplatform import cluster
+
+SKIPPED = (ray_constants.PROCESS_TYPE_DASHBOARD, ray_constants.PROCESS_TYPE_MONITOR, ray_constants.PROCESS_TYPE_LOG_MONITOR)
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    node_class = ray._private.node.Node
+    resources = cluster.connect(None, cluster.Resources(2, 0, [{"CPU": 2, "GPU": 0}]), prestart_workers=False)
+    yield resources, node_class
+    cluster.shutdown()
+
+
+def _ray_processes() -> dict[str, list[psutil.Process]]:
+    node = ray._private.worker._global_node
+    return {kind: [psutil.Process(info.process.pid) for info in infos] for kind, infos in node.all_processes.items()}
+
+
+def test_local_instance_has_the_machine_and_keeps_token_auth(local_ray):
+    from ray._private.authentication.authentication_utils import is_token_auth_enabled
+
+    resources, _ = local_ray
+    assert resources.cpus == 2 and resources.gpus == 0 and len(resources.nodes) == 1
+    assert is_token_auth_enabled()
+
+
+def test_local_instance_starts_no_dashboard_monitor_or_log_monitor(local_ray):
+    processes = _ray_processes()
+    assert ray_constants.PROCESS_TYPE_GCS_SERVER in processes and ray_constants.PROCESS_TYPE_RAYLET in processes
+    assert not set(SKIPPED) & set(processes), sorted(processes)
+    session = ray._private.worker._global_node.get_session_dir_path()
+    command_lines = [" ".join(p.info["cmdline"] or []) for p in psutil.process_iter(["cmdline"])]
+    of_this_session = [line for line in command_lines if session in line]
+    assert any("raylet" in line for line in of_this_session)
+    for script in ("dashboard/dashboard.py", "autoscaler/_private/monitor.py", "_private/log_monitor.py"):
+        assert not any(script in line for line in of_this_session), script
+
+
+def test_ray_init_builds_other_nodes_from_rays_own_class_again(local_ray):
+    _, node_class = local_ray
+    assert ray._private.node.Node is node_class
+    assert type(ray._private.worker._global_node) is not node_class  # the lean subclass built this one
+
+
+def test_tasks_and_actors_run_without_prestarted_workers(local_ray):
+    @ray.remote(num_cpus=1)
+    def square(x: int) -> int:
+        return x * x
+
+    @ray.remote(num_cpus=1)
+    class Counter:
+        def __init__(self) -> None:
+            self.n = 0
+
+        def add(self, k: int) -> int:
+            self.n += k
+            return self.n
+
+    assert ray.get([square.remote(i) for i in range(4)], timeout=60) == [0, 1, 4, 9]
+    counter = Counter.remote()
+    assert ray.get([counter.add.remote(2), counter.add.remote(3)], timeout=60) == [2, 5]
