@@ -29,9 +29,10 @@ from ray.rllib.env.single_agent_env_runner import SingleAgentEnvRunner
 from ray.rllib.utils.metrics import WEIGHTS_SEQ_NO
 from ray.rllib.utils.spaces.space_utils import clip_action, unsquash_action
 
-from rlplatform import torch_seed
+from rlplatform import connector_frames, torch_seed
 
 torch_seed.install()  # before EnvRunner.__init__ seeds torch in this process
+connector_frames.install()  # before it builds its connector pipelines
 
 DEFAULT_ENV_TO_MODULE = ("AddObservationsFromEpisodesToBatch", "AddTimeDimToBatchAndZeroPad",
                          "AddStatesFromEpisodesToBatch", "BatchIndividualItems", "NumpyToTensor")

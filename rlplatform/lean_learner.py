@@ -18,10 +18,41 @@ from ray.rllib.algorithms.impala.torch.impala_torch_learner import IMPALATorchLe
 from ray.rllib.algorithms.ppo.torch.ppo_torch_learner import PPOTorchLearner
 from ray.rllib.core.learner.torch.torch_learner import TorchLearner
 
+from rlplatform import connector_frames
+
+connector_frames.install()  # before a learner in this process builds its connector pipeline
+
 
 def _fused_adam_supported(params: list[torch.Tensor]) -> bool:
     devices = {p.device.type for p in params}
     return len(devices) == 1 and devices <= {"cpu", "cuda"} and all(p.dtype == torch.float32 for p in params)
+
+
+class EagerAdam(torch.optim.Adam):
+    """Adam for a learner that torch never compiles: the same steps, without importing torch's compiler.
+
+    torch wraps `step`, `zero_grad`, `add_param_group`, `state_dict` and `load_state_dict` so that a
+    `torch.compile`d caller does not trace into them; the first call of each imports
+    `torch._dynamo` (1.0-1.7 s of CPU here, most of building a one-process run's algorithm) and
+    `step` looks the module up on every call. Run eagerly, each wrapper only calls the method
+    (`step` with grad off, as torch's `_use_grad_for_differentiable` does): these call it directly.
+    """
+
+    def step(self, closure=None):
+        with torch.set_grad_enabled(self.defaults["differentiable"]):
+            return torch.optim.Adam.step.__wrapped__(self, closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        torch.optim.Optimizer.zero_grad.__wrapped__(self, set_to_none)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        torch.optim.Optimizer.add_param_group.__wrapped__(self, param_group)
+
+    def state_dict(self) -> dict[str, Any]:
+        return torch.optim.Optimizer.state_dict.__wrapped__(self)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        torch.optim.Optimizer.load_state_dict.__wrapped__(self, state_dict)
 
 
 def _all_finite(grads: list[torch.Tensor]) -> bool:
@@ -36,9 +67,10 @@ class LeanUpdate:
         params = self.get_parameters(self._module[module_id])
         if not _fused_adam_supported(params):
             return TorchLearner.configure_optimizers_for_module(self, module_id, config)
+        adam = torch.optim.Adam if self.config.torch_compile_learner else EagerAdam
         self.register_optimizer(
             module_id=module_id,
-            optimizer=torch.optim.Adam(params, fused=True),
+            optimizer=adam(params, fused=True),
             params=params,
             lr_or_lr_schedule=config.lr,
         )

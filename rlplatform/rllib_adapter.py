@@ -150,10 +150,11 @@ def model_config(config: ExperimentConfig, model: Optional[ModelSection] = None)
 
 def build_algorithm_config(config: ExperimentConfig, main_process_resources: Optional[dict[str, float]] = None):
     """Map our schema onto RLlib's AlgorithmConfig (the only place that does)."""
-    from rlplatform import torch_seed
+    from rlplatform import connector_frames, torch_seed
 
     env_id = check(config)
     torch_seed.install()  # before the algorithm that this config builds seeds torch
+    connector_frames.install()  # before it builds its connector pipelines
     scale, hw = config.scale, config.hardware
     algo_config = (
         config_class(config.algorithm)()

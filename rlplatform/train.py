@@ -83,8 +83,6 @@ def run(args: argparse.Namespace) -> int:
             url = dashboard.start(plan.run_dir, port=args.dashboard_port)
             progress.console.print(f"TensorBoard: {url}")
         if not connected:
-            if plan.algorithm_in_driver:
-                _import_in_background("torch._dynamo")  # the learner's optimizer needs it; Ray takes as long to start
             cluster.connect(None, plan.resources, prestart_workers=not plan.algorithm_in_driver)
             connected = True
         plan.ray_ready_at = time.time()
@@ -92,25 +90,6 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if connected:
             cluster.shutdown()
-
-
-def _import_in_background(module: str) -> None:
-    """Import a slow module in a thread while the main thread waits on something else (Ray's start).
-
-    torch's optimizers import torch._dynamo (1.7 s of CPU on 2 cores) when the first one is built;
-    `ray.init` spends most of its 2-3 s waiting for Ray's processes. If the import fails here, it
-    fails again, with its real error, where it is needed.
-    """
-    import importlib
-    import threading
-
-    def run() -> None:
-        try:
-            importlib.import_module(module)
-        except BaseException:  # noqa: BLE001 - see the docstring
-            pass
-
-    threading.Thread(target=run, name=f"import {module}", daemon=True).start()
 
 
 def _resolve(args: argparse.Namespace) -> ResolvedExperiment:

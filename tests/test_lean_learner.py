@@ -4,6 +4,8 @@ Real learners built from the real experiment, in this process, on episodes sampl
 """
 
 import copy
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -48,10 +50,51 @@ def test_the_experiments_use_it():
 
 
 def test_it_uses_fused_adam():
+    from rlplatform.lean_learner import EagerAdam
+
     lean = learner()
     (optimizer,) = lean._named_optimizers.values()
-    assert isinstance(optimizer, torch.optim.Adam) and optimizer.defaults["fused"]
+    assert isinstance(optimizer, EagerAdam) and optimizer.defaults["fused"]
     assert optimizer.param_groups[0]["lr"] == pytest.approx(0.001)
+
+
+def test_eager_adam_steps_saves_and_loads_as_torch_adam():
+    from rlplatform.lean_learner import EagerAdam
+
+    torch.manual_seed(0)
+    start = [torch.randn(5, 3), torch.randn(3)]
+    ours, theirs = ([p.clone().requires_grad_() for p in start] for _ in range(2))
+    eager, plain = EagerAdam(ours, lr=0.01, fused=True), torch.optim.Adam(theirs, lr=0.01, fused=True)
+    for step in range(5):
+        for optimizer, params in ((eager, ours), (plain, theirs)):
+            optimizer.zero_grad()
+            ((params[0] ** 2).sum() * (step + 1) + params[1].sum()).backward()
+            optimizer.step()
+    for a, b in zip(ours, theirs):
+        assert torch.equal(a, b)
+    assert not ours[0].grad_fn  # the step ran with grad off
+    state = eager.state_dict()
+    torch.testing.assert_close(state, plain.state_dict())
+    restored = EagerAdam([p.detach().clone().requires_grad_() for p in start], lr=0.5, fused=True)
+    restored.load_state_dict(state)
+    assert restored.param_groups[0]["lr"] == 0.01
+    torch.testing.assert_close(restored.state_dict(), state)
+
+
+def test_building_and_updating_imports_no_torch_compiler():
+    """torch._dynamo costs 1-1.7 s of CPU to import: a learner that is not compiled never loads it."""
+    script = (
+        "import sys, gymnasium as gym, torch\n"
+        "from test_lean_learner import algo_config\n"
+        "learner = algo_config().build_learner(env=gym.make('CartPole-v1'))\n"
+        "grads = {ref: torch.full_like(p, 0.1) for ref, p in learner._params.items()}\n"
+        "learner.apply_gradients(grads)\n"
+        "learner.set_state(learner.get_state())\n"
+        "print('torch._dynamo' in sys.modules)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], cwd=str(ROOT / "tests"), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().splitlines()[-1] == "False"
 
 
 def test_same_update_as_rllib(episodes):

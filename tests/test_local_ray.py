@@ -2,7 +2,8 @@
 
 A local run starts the GCS, the raylet and its agents, but not the dashboard head, the autoscaler
 monitor or the log monitor (cluster._lean_local_node), and with `prestart_workers=False` no idle
-workers. Token authentication stays on. One real instance for the module.
+workers. The driver chooses the agents' ports, and the agents bind them. Token authentication stays
+on. One real instance for the module.
 """
 
 import psutil
@@ -66,3 +67,31 @@ def test_tasks_and_actors_run_without_prestarted_workers(local_ray):
     assert ray.get([square.remote(i) for i in range(4)], timeout=60) == [0, 1, 4, 9]
     counter = Counter.remote()
     assert ray.get([counter.add.remote(2), counter.add.remote(3)], timeout=60) == [2, 5]
+
+
+def test_agents_listen_on_the_ports_the_raylet_was_given(local_ray):
+    """The driver picks the agents' ports so that the raylet need not wait for them (cluster.AGENT_PORT_PARAMS)."""
+    import time
+
+    node = ray._private.worker._global_node
+    (registered,) = [n for n in ray.nodes() if n["NodeID"] == node.node_id]
+    assert registered["MetricsAgentPort"] == node.metrics_agent_port != 0
+    assert registered["RuntimeEnvAgentPort"] == node.runtime_env_agent_port != 0
+    assert registered["DashboardAgentListenPort"] == node.dashboard_agent_listen_port != 0
+    expected = {
+        "ray::DashboardAgent": {node.metrics_agent_port, node.metrics_export_port, node.dashboard_agent_listen_port},
+        "ray::RuntimeEnvAgent": {node.runtime_env_agent_port},
+    }
+    raylet = psutil.Process(node.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process.pid)
+    deadline, listening = time.time() + 60, {}
+    while time.time() < deadline:
+        listening = {
+            child.name(): {c.laddr.port for c in child.net_connections() if c.status == psutil.CONN_LISTEN}
+            for child in raylet.children()
+            if child.name() in expected
+        }
+        if all(ports <= listening.get(name, set()) for name, ports in expected.items()):
+            break
+        time.sleep(0.2)
+    for name, ports in expected.items():
+        assert ports <= listening.get(name, set()), (name, ports, listening)
