@@ -101,12 +101,14 @@ def _lean_local_node() -> Iterator[None]:
     `ray._private.node.Node` (ray 2.60.0, pinned), whose RayParams have `no_monitor` and
     `include_log_monitor`: a subclass sets those and starts no API server.
     It also hands the raylet its agents' ports (AGENT_PORT_PARAMS), so that it registers with the GCS
-    at once instead of after both agents have imported Ray.
+    at once instead of after both agents have imported Ray, and tells whether the dashboard's
+    packages are installed without importing them (DASHBOARD_PACKAGES).
     A cluster (`--address`, `ray start`, `ray up`) keeps all of them: the Jobs API needs the dashboard.
     """
     import ray._private.node as node_module
+    import ray._private.utils as ray_utils
 
-    original = node_module.Node
+    original, original_dependency_check = node_module.Node, ray_utils.get_dashboard_dependency_error
 
     class LeanLocalNode(original):
         def __init__(self, ray_params, *args, **kwargs):
@@ -125,10 +127,26 @@ def _lean_local_node() -> Iterator[None]:
             super().start_raylet(*args, **kwargs)
 
     node_module.Node = LeanLocalNode
+    ray_utils.get_dashboard_dependency_error = dashboard_dependency_error
     try:
         yield
     finally:
         node_module.Node = original
+        ray_utils.get_dashboard_dependency_error = original_dependency_check
+
+
+# The top-level packages that `ray.dashboard.optional_deps` imports (ray 2.60.0). Ray decides
+# whether to start the dashboard agent with `--minimal` by importing all of them in the driver,
+# 0.2 s of a local start here; the agent imports them itself anyway.
+DASHBOARD_PACKAGES = ("aiohttp", "aiohttp_cors", "grpc", "opencensus", "opentelemetry", "prometheus_client", "pydantic")
+
+
+def dashboard_dependency_error() -> Optional[ImportError]:
+    """Ray's `get_dashboard_dependency_error`, answered by finding the packages instead of importing them."""
+    import importlib.util
+
+    missing = [name for name in DASHBOARD_PACKAGES if importlib.util.find_spec(name) is None]
+    return ImportError(f"No module named {missing[0]!r}") if missing else None
 
 
 # The agents' ports, as RayParams name them. With a port left at 0 the agent binds one itself and

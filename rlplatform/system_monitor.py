@@ -51,6 +51,7 @@ def _nvidia_smi() -> list[dict[str, float]]:
 class SystemMonitor:
     def __init__(self) -> None:
         self._probes: dict[str, tuple[str, Any]] = {}  # node id -> (node ip, actor)
+        self._refresh()  # the probes' workers start during the first iteration, not after it
 
     def _refresh(self) -> list[dict[str, Any]]:
         alive = [n for n in ray.nodes() if n.get("Alive")]

@@ -24,6 +24,12 @@ def local_ray():
     cluster.shutdown()
 
 
+def _command_lines_of_this_session() -> list[str]:
+    session = ray._private.worker._global_node.get_session_dir_path()
+    command_lines = [" ".join(p.info["cmdline"] or []) for p in psutil.process_iter(["cmdline"])]
+    return [line for line in command_lines if session in line]
+
+
 def test_local_instance_has_the_machine_and_keeps_token_auth(local_ray):
     from ray._private.authentication.authentication_utils import is_token_auth_enabled
 
@@ -36,9 +42,7 @@ def test_local_instance_starts_no_dashboard_monitor_or_log_monitor(local_ray):
     processes = set(ray._private.worker._global_node.all_processes)  # Ray's process types on this node
     assert ray_constants.PROCESS_TYPE_GCS_SERVER in processes and ray_constants.PROCESS_TYPE_RAYLET in processes
     assert not set(SKIPPED) & processes, sorted(processes)
-    session = ray._private.worker._global_node.get_session_dir_path()
-    command_lines = [" ".join(p.info["cmdline"] or []) for p in psutil.process_iter(["cmdline"])]
-    of_this_session = [line for line in command_lines if session in line]
+    of_this_session = _command_lines_of_this_session()
     assert any("raylet" in line for line in of_this_session)
     for script in ("dashboard/dashboard.py", "autoscaler/_private/monitor.py", "_private/log_monitor.py"):
         assert not any(script in line for line in of_this_session), script
@@ -95,3 +99,25 @@ def test_agents_listen_on_the_ports_the_raylet_was_given(local_ray):
         time.sleep(0.2)
     for name, ports in expected.items():
         assert ports <= listening.get(name, set()), (name, ports, listening)
+
+
+def test_dashboard_dependency_check_finds_what_rays_own_check_imports(local_ray):
+    """cluster.dashboard_dependency_error finds the packages instead of importing them; both must agree."""
+    import ast
+    import pathlib
+
+    import ray.dashboard
+
+    source = pathlib.Path(ray.dashboard.__file__).with_name("optional_deps.py").read_text()
+    imported = set()
+    for statement in ast.parse(source).body:
+        if isinstance(statement, ast.Import):
+            imported |= {alias.name.split(".")[0] for alias in statement.names}
+        elif isinstance(statement, ast.ImportFrom):
+            imported.add(statement.module.split(".")[0])
+    assert imported == set(cluster.DASHBOARD_PACKAGES)
+    assert cluster.dashboard_dependency_error() is None
+    assert ray._private.utils.get_dashboard_dependency_error() is None  # Ray's own check is back after the start
+    assert ray._private.utils.get_dashboard_dependency_error is not cluster.dashboard_dependency_error
+    agent_lines = [line for line in _command_lines_of_this_session() if "dashboard/agent.py" in line]
+    assert agent_lines and all("--minimal" not in line for line in agent_lines)

@@ -51,6 +51,9 @@ def test_two_iterations_with_remote_runners(algorithm, ray_head, runs):
         assert key in rows[1], sorted(rows[1])
     assert rows[1]["faults/healthy_env_runners"] == 1.0  # a remote runner really sampled
     assert any(k.startswith("learner/default_policy/") for k in rows[1])
+    for row in rows:  # the system panel: every node's probe answers from the first iteration on
+        assert any(k.startswith("system/") and k.endswith("/cpu_percent") for k in row), sorted(row)
+        assert row["ray/object_store_used_gb"] >= 0
     assert list(run_dir.glob("events.out.tfevents.*"))
     checkpoints = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     assert checkpoints == ["checkpoint_000001", "checkpoint_000002"]
