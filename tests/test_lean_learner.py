@@ -119,3 +119,45 @@ def test_non_finite_gradients_take_rllibs_path():
     for name, value in weights(plain).items():
         assert torch.isfinite(value).all()
         torch.testing.assert_close(weights(lean)[name], value, rtol=1e-5, atol=1e-7)
+
+
+def test_ppo_loss_gradients_and_metrics_are_rllibs(episodes):
+    """The lean PPO loss runs RLlib's operations in RLlib's order: the same numbers, not just close ones."""
+    from ray.rllib.algorithms.ppo.torch.ppo_torch_learner import PPOTorchLearner
+    from ray.rllib.core.columns import Columns
+
+    lean = learner()
+    minibatches = []
+    own_loss = lean.compute_loss_for_module
+
+    def record(**kwargs):  # keeps each minibatch the update computed its loss on
+        minibatches.append(kwargs)
+        return own_loss(**kwargs)
+
+    lean.compute_loss_for_module = record
+    lean.update(episodes=copy.deepcopy(episodes), timesteps={"num_env_steps_sampled_lifetime": 400}, num_epochs=1, minibatch_size=100)
+    lean.compute_loss_for_module = own_loss
+    assert minibatches
+    params = list(lean.module["default_policy"].parameters())
+    for seen in minibatches:
+        batch, module_id = seen["batch"], seen["module_id"]
+        assert Columns.LOSS_MASK in batch  # PPO's bootstrap step: the masked means are the ones compared
+        results = []
+        for loss_fn in (lean.compute_loss_for_module, lambda **kw: PPOTorchLearner.compute_loss_for_module(lean, **kw)):
+            fwd_out = lean.module[module_id].forward_train(batch)
+            loss = loss_fn(module_id=module_id, config=seen["config"], batch=batch, fwd_out=fwd_out)
+            grads = torch.autograd.grad(loss, params)
+            logged = {k: float(v) for k, v in lean.metrics.peek(module_id).items() if not isinstance(v, dict)}
+            results.append((loss.detach(), grads, logged))
+        (loss_a, grads_a, logged_a), (loss_b, grads_b, logged_b) = results
+        assert torch.equal(loss_a, loss_b)
+        assert all(torch.equal(a, b) for a, b in zip(grads_a, grads_b))
+        assert logged_a == logged_b and {"policy_loss", "vf_loss", "entropy", "mean_kl_loss"} <= set(logged_a)
+
+
+def test_ppo_with_the_kl_term_takes_rllibs_loss(episodes):
+    lean, plain = learner("training.use_kl_loss=true"), learner("scale.update=rllib", "training.use_kl_loss=true")
+    for each in (lean, plain):
+        each.update(episodes=copy.deepcopy(episodes), timesteps={"num_env_steps_sampled_lifetime": 400}, num_epochs=2, minibatch_size=100)
+    for name, value in weights(plain).items():
+        torch.testing.assert_close(weights(lean)[name], value, rtol=1e-4, atol=1e-6)
