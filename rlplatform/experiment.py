@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from rlplatform.config import (
     DEFAULT_PROFILE,
@@ -31,6 +31,7 @@ class ResolvedExperiment:
     config: ExperimentConfig
     source: Path
     explicit_keys: set[str] = field(default_factory=set)  # dotted keys given with --set
+    given_keys: set[str] = field(default_factory=set)  # dotted keys the file, the profile or --set give
 
 
 def default_experiment_path() -> Path:
@@ -95,4 +96,12 @@ def resolve_experiment(
             apply_override(data, keys, value)
     data.setdefault("name", source.stem.replace("_", "-"))
     config = validate(data, source=str(source))
-    return ResolvedExperiment(config=config, source=source, explicit_keys={".".join(k) for k, _ in parsed})
+    return ResolvedExperiment(config=config, source=source, explicit_keys={".".join(k) for k, _ in parsed},
+                              given_keys=set(_dotted_keys(data)))
+
+
+def _dotted_keys(data: dict[str, Any], prefix: str = "") -> Iterator[str]:
+    for key, value in data.items():
+        yield prefix + str(key)
+        if isinstance(value, dict):
+            yield from _dotted_keys(value, f"{prefix}{key}.")

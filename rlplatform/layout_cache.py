@@ -2,7 +2,10 @@
 
 `bench throughput` records the fastest layout (env runners x envs per runner x vectorisation) it
 measured; `train --profile auto` on the same machine then uses the envs per runner and vectorisation
-of the best layout whose runner count fits what it sized, unless the command line sets them. The file
+of the best layout whose runner count fits what it sized, where the experiment leaves them open (its
+file, its profile and --set give neither): how many envs share a batch is part of an on-policy
+experiment's tuning (CartPole PPO with 8 envs solves in 62-68k env steps; with the 64 that sample
+fastest here, in 79-101k), so a value the experiment gives stays. The file
 is `~/.cache/rlplatform/layouts.json` (or `$RLPLATFORM_CACHE_DIR/layouts.json`), one entry per
 machine (host name, CPU count and model, GPU count) and env (id and env_config).
 """
@@ -75,9 +78,10 @@ def best_layout(cpus: float, gpus: float, env: str, env_config: dict[str, Any], 
     return max(rows, key=lambda r: r["env_steps_per_s"] / r["env_runners"])
 
 
-def apply_best_layout(config, cpus: float, gpus: float, explicit_keys: set[str]):
-    """`--profile auto`: envs per runner and vectorisation from the best measured layout, if any
-    (for sampling in the main process, the best one-runner layout: the same runner, the same envs).
+def apply_best_layout(config, cpus: float, gpus: float, given_keys: set[str]):
+    """`--profile auto`: envs per runner and vectorisation from the best measured layout, if any, where
+    `given_keys` (what the experiment's file, profile and --set give) leave them open (for sampling in
+    the main process, the best one-runner layout: the same runner, the same envs).
 
     Returns the config and a line saying what was taken (None when nothing was cached).
     """
@@ -87,7 +91,7 @@ def apply_best_layout(config, cpus: float, gpus: float, explicit_keys: set[str])
     best = best_layout(cpus, gpus, config.env, dict(config.env_config), scale.env_runners)
     if best is None:
         return config, None
-    chosen = {k: best[k] for k in ("envs_per_runner", "vectorize") if f"scale.{k}" not in explicit_keys}
+    chosen = {k: best[k] for k in ("envs_per_runner", "vectorize") if f"scale.{k}" not in given_keys}
     if not chosen:
         return config, None
     updated = config.model_copy(update={"scale": scale.model_copy(update=chosen)})

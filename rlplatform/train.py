@@ -114,7 +114,7 @@ def _plan(resolved: ResolvedExperiment, resources: cluster.Resources, joined_clu
     layout_note = None
     if config.profile == "auto" and resize:  # a resumed run keeps the size it was started with
         config = cluster.size_to_cluster(config, resources, resolved.explicit_keys)
-        config, layout_note = layout_cache.apply_best_layout(config, resources.cpus, resources.gpus, resolved.explicit_keys)
+        config, layout_note = layout_cache.apply_best_layout(config, resources.cpus, resources.gpus, resolved.given_keys)
     main_resources = _driver_node_resource() if joined_cluster else {}
     bundles = rllib_adapter.resource_bundles(rllib_adapter.build_algorithm_config(config, main_resources))
     cluster.preflight(bundles, resources)

@@ -28,15 +28,22 @@ def test_throughput_measures_raw_limit_and_each_layout_and_auto_uses_the_best(tm
     assert (tmp_path / "throughput-CartPole-v1.png").stat().st_size > 5000
 
     best = max(layouts.values(), key=lambda r: r["env_steps_per_s"])
-    printed = run_cli("train", "--print-config", env=cache)
+    open_layout = yaml.safe_load(DEFAULT.read_text())
+    for key in ("envs_per_runner", "vectorize"):
+        del open_layout["scale"][key]
+    (tmp_path / "open_layout.yaml").write_text(yaml.safe_dump(open_layout))
+    printed = run_cli("train", tmp_path / "open_layout.yaml", "--print-config", env=cache)
     assert printed.returncode == 0, printed.stderr
     scale = yaml.safe_load(printed.stdout)["scale"]
     assert (scale["envs_per_runner"], scale["vectorize"]) == (best["envs_per_runner"], best["vectorize"])
-    # --set still wins, and without a measurement the experiment's own layout stays.
-    fixed = run_cli("train", "--print-config", "--set", "scale.envs_per_runner=3", env=cache)
+    # What the experiment file or --set gives stays; so does the layout of an experiment never measured.
+    own = yaml.safe_load(DEFAULT.read_text())["scale"]
+    kept = yaml.safe_load(run_cli("train", "--print-config", env=cache).stdout)["scale"]
+    assert (kept["envs_per_runner"], kept["vectorize"]) == (own["envs_per_runner"], own["vectorize"])
+    fixed = run_cli("train", tmp_path / "open_layout.yaml", "--print-config", "--set", "scale.envs_per_runner=3", env=cache)
     assert yaml.safe_load(fixed.stdout)["scale"]["envs_per_runner"] == 3
-    fresh = run_cli("train", "--print-config", env={"RLPLATFORM_CACHE_DIR": str(tmp_path / "empty")})
-    assert yaml.safe_load(fresh.stdout)["scale"]["envs_per_runner"] == yaml.safe_load(DEFAULT.read_text())["scale"]["envs_per_runner"]
+    fresh = run_cli("train", tmp_path / "open_layout.yaml", "--print-config", env={"RLPLATFORM_CACHE_DIR": str(tmp_path / "empty")})
+    assert yaml.safe_load(fresh.stdout)["scale"]["envs_per_runner"] == 1  # the schema's default
 
 
 def test_solve_reports_each_seed_and_the_median_with_startup_apart(tmp_path):
