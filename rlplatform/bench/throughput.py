@@ -98,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
         cache = layout_cache.record(resources.cpus, resources.gpus, base.env, dict(base.env_config), rows, stem.with_suffix(".json"))
         best = max(rows, key=lambda r: r["env_steps_per_s"] / r["env_runners"])
         progress.console.print(f"best per runner: {best['layout']}; `train --profile auto` on this machine uses its envs per "
-                               f"runner and vectorisation for {base.env} (cache: {cache})")
+                               f"runner and vectorisation for {base.env} where an experiment leaves them open (cache: {cache})")
     return 0
 
 
