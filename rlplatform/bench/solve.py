@@ -69,8 +69,23 @@ def seed_result(seed: int, run: TrainingRun) -> dict[str, Any]:
         "startup": startup,
         "training_s": (solved_at["wall_time_s"] - startup["algorithm_ready_s"]) if solved_at and startup else None,
         "stop": run.stop_line,
+        "layout": run_layout(run),  # --profile auto may take it from `bench throughput`'s cache
+        "layout_from_bench": run.manifest.get("layout_from_bench"),
         "run_dir": str(run.run_dir),
     }
+
+
+def run_layout(run: TrainingRun) -> Optional[str]:
+    """The run's env runners x envs per runner x vectorisation, from the config it wrote."""
+    import yaml
+
+    from rlplatform.rundir import CONFIG_FILE
+
+    path = run.run_dir / CONFIG_FILE
+    if not path.is_file():
+        return None
+    scale = (yaml.safe_load(path.read_text()) or {}).get("scale", {})
+    return f"{scale.get('env_runners')}x{scale.get('envs_per_runner')}x{scale.get('vectorize')}"
 
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Optional[float]]:
@@ -93,7 +108,7 @@ def _row_line(r: dict[str, Any]) -> str:
     if not r["solved"]:
         return f"seed {r['seed']}: not solved ({r['stop'] or 'no stop line'}), return {_fmt(r['final_return_mean'], '.1f')}"
     return (f"seed {r['seed']}: solved in {r['time_to_solve_s']:.1f} s, {r['env_steps_to_solve']:,} env steps "
-            f"(algorithm built at {r['startup'].get('algorithm_ready_s', 0):.1f} s)")
+            f"(algorithm built at {r['startup'].get('algorithm_ready_s', 0):.1f} s; layout {r['layout']})")
 
 
 def _print_table(rows: list[dict[str, Any]], summary: dict[str, Any]) -> None:
