@@ -77,14 +77,13 @@ def seed_result(seed: int, run: TrainingRun) -> dict[str, Any]:
 
 def run_layout(run: TrainingRun) -> Optional[str]:
     """The run's env runners x envs per runner x vectorisation, from the config it wrote."""
-    import yaml
-
+    from rlplatform.config import read_yaml
     from rlplatform.rundir import CONFIG_FILE
 
     path = run.run_dir / CONFIG_FILE
     if not path.is_file():
         return None
-    scale = (yaml.safe_load(path.read_text()) or {}).get("scale", {})
+    scale = read_yaml(path, "run config").get("scale", {})
     return f"{scale.get('env_runners')}x{scale.get('envs_per_runner')}x{scale.get('vectorize')}"
 
 
