@@ -11,6 +11,7 @@ from gymnasium.envs.registration import register, registry
 ENVS = {
     "rlplatform/CostlySim-v0": ("envs.costly_sim:CostlySimEnv", 200, False),
     "rlplatform/PixelCatch-v0": ("envs.pixel_catch:PixelCatchEnv", None, False),
+    "rlplatform/Atari-v0": ("envs.atari:make_atari", None, False),
     "rlplatform/Faulty-v0": ("envs.faults:make_faulty", None, False),
     "rlplatform/Pursuit-v0": ("envs.pursuit:PursuitEnv", None, True),
     "rlplatform/PettingZooParallel-v0": ("envs.pettingzoo_envs:make_parallel", None, True),

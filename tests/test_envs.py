@@ -11,6 +11,7 @@ from conftest import ROOT, only_run_dir, run_cli
 CHECKS = {
     "rlplatform/CostlySim-v0": "{work_ms: 0.1}",
     "rlplatform/PixelCatch-v0": "{size: 64, frame_stack: 4}",
+    "rlplatform/Atari-v0": "{game: ALE/Pong-v5, frame_stack: 4}",
     "rlplatform/Pursuit-v0": "{size: 5}",
     "rlplatform/PettingZooParallel-v0": "{env_module: mpe2.simple_spread_v3, N: 2, max_cycles: 25}",
     "rlplatform/Faulty-v0": "{env: CartPole-v1, crash_probability: 0.0}",
@@ -48,6 +49,7 @@ def test_envs_check_refuses_an_env_that_cannot_be_built():
     ("pixel_catch_ppo.yaml", ["--set", "training.train_batch_size_per_learner=256", "--set", "training.minibatch_size=64"]),
     ("costly_sim_ppo.yaml", ["--set", "training.train_batch_size_per_learner=400"]),
     ("simple_spread_ppo.yaml", ["--set", "training.train_batch_size_per_learner=400"]),
+    ("pong_appo.yaml", ["--set", "scale.envs_per_runner=1"]),  # the `bench gpu` preset, here on CPU
 ])
 def test_env_experiment_trains_with_remote_runners(experiment, extra, ray_head, runs):
     result = run_cli("train", ROOT / "experiments" / experiment, "--address", ray_head.address, "--runs-dir", runs,
