@@ -1,19 +1,23 @@
-"""CPU, RAM and GPU of every node, and Ray's object store, sampled once per iteration.
+"""CPU, RAM and GPU of every node, and Ray's object store, measured once a second in the background.
 
 One tiny actor per node (no CPU reserved, pinned to its node) answers `sample()`; nodes that
-join later get a probe at the next sample, nodes that leave are dropped.
+join later get a probe at the next measurement, nodes that leave are dropped. A thread of the
+driver takes the measurements, so an iteration never waits on them: asked for each iteration,
+they took 4 ms of a 250 ms CartPole iteration on an idle machine and up to 15 ms on a busy one.
 """
 
 from __future__ import annotations
 
 import shutil
 import subprocess
-from typing import Any
+import threading
+from typing import Any, Optional
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 SAMPLE_TIMEOUT_S = 5.0
+INTERVAL_S = 1.0
 
 
 class NodeProbe:
@@ -49,9 +53,38 @@ def _nvidia_smi() -> list[dict[str, float]]:
 
 
 class SystemMonitor:
-    def __init__(self) -> None:
-        self._probes: dict[str, tuple[str, Any]] = {}  # node id -> (node ip, actor)
+    def __init__(self, interval_s: float = INTERVAL_S) -> None:
+        self._interval_s = interval_s
+        self._probes: dict[str, tuple[str, Any]] = {}  # node id -> (node ip, actor); the thread's alone
         self._refresh()  # the probes' workers start during the first iteration, not after it
+        self._latest: Optional[dict[str, float]] = None
+        self._error: Optional[BaseException] = None
+        self._measured, self._stopping = threading.Event(), threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rlplatform-system-monitor", daemon=True)
+        self._thread.start()
+
+    def sample(self) -> dict[str, float]:
+        """The latest measurement; before the first one is in, waits for it."""
+        self._measured.wait(timeout=2 * SAMPLE_TIMEOUT_S)
+        if self._latest is None and self._error is not None:
+            raise self._error
+        return dict(self._latest or {})
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._thread.join(timeout=2 * SAMPLE_TIMEOUT_S)
+        for _, actor in self._probes.values():
+            ray.kill(actor)
+        self._probes.clear()
+
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                self._latest = self._measure()
+            except Exception as exc:  # Ray going down under the thread; a later measurement may still work
+                self._error = exc
+            self._measured.set()
+            self._stopping.wait(self._interval_s)
 
     def _refresh(self) -> list[dict[str, Any]]:
         alive = [n for n in ray.nodes() if n.get("Alive")]
@@ -68,7 +101,7 @@ class SystemMonitor:
                 self._probes[node["NodeID"]] = (node["NodeManagerAddress"], actor)
         return alive
 
-    def sample(self) -> dict[str, float]:
+    def _measure(self) -> dict[str, float]:
         alive = self._refresh()
         metrics: dict[str, float] = {}
         refs = {node_id: actor.sample.remote() for node_id, (_, actor) in self._probes.items()}
@@ -93,11 +126,6 @@ class SystemMonitor:
         if used is not None:
             metrics["ray/object_store_used_gb"] = used / 1024**3
         return metrics
-
-    def stop(self) -> None:
-        for _, actor in self._probes.values():
-            ray.kill(actor)
-        self._probes.clear()
 
 
 def _object_store_used_bytes(nodes: list[dict[str, Any]]) -> float | None:

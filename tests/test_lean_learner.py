@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import torch
+from ray.rllib.core.learner.torch.torch_learner import TorchLearner
 
 from conftest import ROOT
 from rlplatform.experiment import resolve_experiment
@@ -161,3 +162,56 @@ def test_ppo_with_the_kl_term_takes_rllibs_loss(episodes):
         each.update(episodes=copy.deepcopy(episodes), timesteps={"num_env_steps_sampled_lifetime": 400}, num_epochs=2, minibatch_size=100)
     for name, value in weights(plain).items():
         torch.testing.assert_close(weights(lean)[name], value, rtol=1e-4, atol=1e-6)
+
+
+def record_minibatches(lean) -> list[dict]:
+    """Keeps each minibatch (and the module's training mode) that the lean loss sees."""
+    seen, own_loss = [], lean.compute_loss_for_module
+
+    def record(**kwargs):
+        module = lean.module[kwargs["module_id"]]
+        seen.append({**kwargs, "training": [m.training for m in module.modules()]})
+        return own_loss(**kwargs)
+
+    lean.compute_loss_for_module = record
+    return seen
+
+
+def test_each_minibatch_trains_in_training_mode_without_a_walk_per_minibatch(episodes):
+    lean = learner()
+    module = lean.module["default_policy"]
+    walks, full_train = [], module.train
+    module.train = lambda mode=True: (walks.append(mode), full_train(mode))[1]
+    module.eval()  # the update puts it in training mode itself
+    seen = record_minibatches(lean)
+    own_loss = lean.compute_loss_for_module
+
+    def switch_to_eval_once(**kwargs):
+        loss = own_loss(**kwargs)
+        if len(seen) == 2:
+            module.eval()  # something between minibatches switches it out: the next one switches back
+        return loss
+
+    lean.compute_loss_for_module = switch_to_eval_once
+    lean.update(episodes=copy.deepcopy(episodes), timesteps={"num_env_steps_sampled_lifetime": 400}, num_epochs=3, minibatch_size=100)
+    assert len(seen) >= 10 and all(all(s["training"]) for s in seen)
+    assert walks == [False, True, False, True]  # eval, the update's one walk, the switch out and back
+    assert "forward_train" not in vars(module)  # RLlib's own method again after the update
+
+
+def test_off_policyness_metric_is_rllibs(episodes):
+    from ray.rllib.utils.metrics import DIFF_NUM_GRAD_UPDATES_VS_SAMPLER_POLICY, WEIGHTS_SEQ_NO
+
+    lean = learner()
+    seen = record_minibatches(lean)
+    lean.update(episodes=copy.deepcopy(episodes), timesteps={"num_env_steps_sampled_lifetime": 400}, num_epochs=1, minibatch_size=100)
+    key = ("default_policy", DIFF_NUM_GRAD_UPDATES_VS_SAMPLER_POLICY)
+    lean._weights_seq_no += 3  # as if three updates had passed since these samples
+    for s in seen:
+        batch = {"default_policy": s["batch"]}
+        assert WEIGHTS_SEQ_NO in s["batch"]
+        values = []
+        for compute in (lean._compute_off_policyness, lambda b: TorchLearner._compute_off_policyness(lean, b)):
+            compute(batch)
+            values.append(lean.metrics.peek(key))
+        assert values[0] == values[1] and values[0] > 0
