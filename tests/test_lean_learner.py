@@ -215,3 +215,35 @@ def test_off_policyness_metric_is_rllibs(episodes):
             compute(batch)
             values.append(lean.metrics.peek(key))
         assert values[0] == values[1] and values[0] > 0
+
+
+def test_minibatches_are_rllibs_to_the_bit(episodes):
+    """The lean iterator cuts the same minibatches from the same random state as RLlib's cyclic iterator."""
+    import numpy as np
+    from ray.rllib.utils.minibatch_utils import MiniBatchCyclicIterator
+
+    from rlplatform.lean_learner import LeanMiniBatchIterator
+
+    lean, built = learner(), []
+    own_iterator = lean._create_iterator_if_necessary
+    lean._create_iterator_if_necessary = lambda **kwargs: built.append(own_iterator(**kwargs)) or built[-1]
+    lean.update(episodes=copy.deepcopy(episodes), timesteps={"num_env_steps_sampled_lifetime": 400}, num_epochs=1, minibatch_size=100)
+    (used,) = built
+    assert isinstance(used, LeanMiniBatchIterator)  # the update really took it
+    batch = used._batch  # the learner connector's batch of tensors, as PPO's update gets it
+    attributes = ("count", "num_grad_updates", "time_major", "zero_padded", "max_seq_len", "is_training", "_slice_seq_lens_in_B")
+    for epochs, size, shuffle, total in ((3, 100, True, 0), (2, 64, True, 0), (2, 1000, True, 0), (1, 100, False, 7)):
+        streams = []
+        for lean_one in (False, True):
+            np.random.seed(0)
+            rllib_iterator = MiniBatchCyclicIterator(copy.deepcopy(batch), num_epochs=epochs, minibatch_size=size,
+                                                     shuffle_batch_per_epoch=shuffle, num_total_minibatches=total)
+            streams.append(list(LeanMiniBatchIterator(rllib_iterator) if lean_one else rllib_iterator))
+        theirs, ours = streams
+        assert len(ours) == len(theirs) >= (1 if size > len(batch) else 4)
+        for a, b in zip(ours, theirs):
+            assert a.env_steps() == b.env_steps()
+            for module_id, y in b.policy_batches.items():
+                x = a.policy_batches[module_id]
+                assert list(x) == list(y) and all(torch.equal(x[k], y[k]) for k in y)
+                assert [getattr(x, n) for n in attributes] == [getattr(y, n) for n in attributes]
