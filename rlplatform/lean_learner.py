@@ -23,7 +23,7 @@ and cuts flat tensor batches with `LeanMiniBatchIterator` (the same minibatches 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 import torch
@@ -166,6 +166,15 @@ class LeanUpdate:
 
 
 class LeanPPOTorchLearner(LeanUpdate, PPOTorchLearner):
+    """The statistics RLlib logs with `window=1` on each minibatch keep only the update's last one: the
+    loss statistics and the off-policyness are computed once, from the last minibatch's tensors, at
+    the end of the update (before PPO's own `after_gradient_based_update` reads them)."""
+
+    def build(self) -> None:
+        super().build()
+        self._last_minibatch_stats: dict[str, Callable[[], dict[str, torch.Tensor]]] = {}
+        self._last_minibatch: Optional[dict] = None
+
     def compute_loss_for_module(self, *, module_id: str, config: Any, batch: dict, fwd_out: dict) -> torch.Tensor:
         module = self.module[module_id].unwrapped()
         if config.use_kl_loss or not config.use_critic or module.get_train_action_dist_cls() is not TorchCategorical:
@@ -175,7 +184,6 @@ class LeanPPOTorchLearner(LeanUpdate, PPOTorchLearner):
         logp = log_pmf.gather(-1, batch[Columns.ACTIONS].long().unsqueeze(-1)).squeeze(-1)  # Categorical.log_prob
         logp_ratio = torch.exp(logp - batch[Columns.ACTION_LOGP])
         curr_entropy = -(torch.clamp(log_pmf, min=torch.finfo(log_pmf.dtype).min) * probs).sum(-1)  # Categorical.entropy
-        mean_entropy = mean(curr_entropy)
         advantages = batch[Postprocessing.ADVANTAGES]
         surrogate_loss = torch.min(
             advantages * logp_ratio, advantages * torch.clamp(logp_ratio, 1 - config.clip_param, 1 + config.clip_param)
@@ -183,21 +191,35 @@ class LeanPPOTorchLearner(LeanUpdate, PPOTorchLearner):
         value_fn_out = module.compute_values(batch, embeddings=fwd_out.get(Columns.EMBEDDINGS))
         vf_loss = torch.pow(value_fn_out - batch[Postprocessing.VALUE_TARGETS], 2.0)
         vf_loss_clipped = torch.clamp(vf_loss, 0, config.vf_clip_param)
-        mean_vf_loss = mean(vf_loss_clipped)
-        mean_vf_unclipped_loss = mean(vf_loss)
         entropy_coeff = self.entropy_coeff_schedulers_per_module[module_id].get_current_value()
         total_loss = mean(-surrogate_loss + config.vf_loss_coeff * vf_loss_clipped - entropy_coeff * curr_entropy)
-        stats = {
+        self._last_minibatch_stats[module_id] = lambda: {
             POLICY_LOSS_KEY: -mean(surrogate_loss),
-            VF_LOSS_KEY: mean_vf_loss,
-            LEARNER_RESULTS_VF_LOSS_UNCLIPPED_KEY: mean_vf_unclipped_loss,
+            VF_LOSS_KEY: mean(vf_loss_clipped),
+            LEARNER_RESULTS_VF_LOSS_UNCLIPPED_KEY: mean(vf_loss),
             LEARNER_RESULTS_VF_EXPLAINED_VAR_KEY: explained_variance(batch[Postprocessing.VALUE_TARGETS], value_fn_out),
-            ENTROPY_KEY: mean_entropy,
+            ENTROPY_KEY: mean(curr_entropy),
             LEARNER_RESULTS_KL_KEY: torch.tensor(0.0, device=logp_ratio.device),
         }
-        for name, value in stats.items():  # what RLlib's log_dict(..., key=module_id, window=1) logs
-            self.metrics.log_value((module_id, name), value, reduce="mean", window=1)
         return total_loss
+
+    def _compute_off_policyness(self, batch: dict) -> None:
+        self._last_minibatch = batch
+
+    def log_last_minibatch_stats(self) -> None:
+        """What RLlib logs on every minibatch (`log_dict(..., key=module_id, window=1)`), for the last one."""
+        with torch.no_grad():
+            for module_id, stats in self._last_minibatch_stats.items():
+                for name, value in stats().items():
+                    self.metrics.log_value((module_id, name), value, reduce="mean", window=1)
+        self._last_minibatch_stats.clear()
+        if self._last_minibatch is not None:
+            LeanUpdate._compute_off_policyness(self, self._last_minibatch)
+            self._last_minibatch = None
+
+    def after_gradient_based_update(self, *, timesteps: dict) -> None:
+        self.log_last_minibatch_stats()
+        super().after_gradient_based_update(timesteps=timesteps)
 
 
 def _categorical(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -147,6 +147,7 @@ def test_ppo_loss_gradients_and_metrics_are_rllibs(episodes):
         for loss_fn in (lean.compute_loss_for_module, lambda **kw: PPOTorchLearner.compute_loss_for_module(lean, **kw)):
             fwd_out = lean.module[module_id].forward_train(batch)
             loss = loss_fn(module_id=module_id, config=seen["config"], batch=batch, fwd_out=fwd_out)
+            lean.log_last_minibatch_stats()  # the lean loss logs its statistics once per update
             grads = torch.autograd.grad(loss, params)
             logged = {k: float(v) for k, v in lean.metrics.peek(module_id).items() if not isinstance(v, dict)}
             results.append((loss.detach(), grads, logged))
@@ -202,6 +203,8 @@ def test_each_minibatch_trains_in_training_mode_without_a_walk_per_minibatch(epi
 def test_off_policyness_metric_is_rllibs(episodes):
     from ray.rllib.utils.metrics import DIFF_NUM_GRAD_UPDATES_VS_SAMPLER_POLICY, WEIGHTS_SEQ_NO
 
+    from rlplatform.lean_learner import LeanUpdate
+
     lean = learner()
     seen = record_minibatches(lean)
     lean.update(episodes=copy.deepcopy(episodes), timesteps={"num_env_steps_sampled_lifetime": 400}, num_epochs=1, minibatch_size=100)
@@ -211,7 +214,7 @@ def test_off_policyness_metric_is_rllibs(episodes):
         batch = {"default_policy": s["batch"]}
         assert WEIGHTS_SEQ_NO in s["batch"]
         values = []
-        for compute in (lean._compute_off_policyness, lambda b: TorchLearner._compute_off_policyness(lean, b)):
+        for compute in (lambda b: LeanUpdate._compute_off_policyness(lean, b), lambda b: TorchLearner._compute_off_policyness(lean, b)):
             compute(batch)
             values.append(lean.metrics.peek(key))
         assert values[0] == values[1] and values[0] > 0
@@ -247,3 +250,27 @@ def test_minibatches_are_rllibs_to_the_bit(episodes):
                 x = a.policy_batches[module_id]
                 assert list(x) == list(y) and all(torch.equal(x[k], y[k]) for k in y)
                 assert [getattr(x, n) for n in attributes] == [getattr(y, n) for n in attributes]
+
+
+def test_ppo_reports_the_statistics_of_the_updates_last_minibatch(episodes):
+    """RLlib logs them with window=1 on every minibatch, so the update reports its last minibatch's:
+    the lean PPO learner computes them once, from that minibatch (the same numbers as RLlib, above)."""
+    from ray.rllib.utils.metrics import DIFF_NUM_GRAD_UPDATES_VS_SAMPLER_POLICY
+
+    lean = learner()
+    per_minibatch, batches, own_loss = [], [], lean.compute_loss_for_module
+
+    def record(**kwargs):  # each minibatch's statistics, taken before its gradient step
+        loss = own_loss(**kwargs)
+        per_minibatch.append({k: float(v) for k, v in lean._last_minibatch_stats[kwargs["module_id"]]().items()})
+        batches.append({kwargs["module_id"]: kwargs["batch"]})
+        return loss
+
+    lean.compute_loss_for_module = record
+    results = lean.update(episodes=copy.deepcopy(episodes), timesteps={"num_env_steps_sampled_lifetime": 400}, num_epochs=2, minibatch_size=100)
+    assert len(per_minibatch) >= 8 and per_minibatch[0] != per_minibatch[-1]
+    reported = {k: float(v.peek()) for k, v in results["default_policy"].items()}
+    assert {k: reported.get(k) for k in per_minibatch[-1]} == per_minibatch[-1]
+    TorchLearner._compute_off_policyness(lean, batches[-1])  # RLlib's own, on the last minibatch
+    key = DIFF_NUM_GRAD_UPDATES_VS_SAMPLER_POLICY
+    assert reported[key] == float(lean.metrics.peek(("default_policy", key)))
