@@ -14,10 +14,11 @@ minibatch: two `torch.distributions.Categorical` objects (one for the old policy
 KL term), a boolean-mask lookup per masked mean, and the tree walk of `log_dict`. The KL term, no
 critic, and other action distributions take RLlib's loss.
 
-Around the loss, per minibatch, RLlib also walks every submodule to set training mode, logs its
-off-policyness metric through `log_dict`, and slices and concatenates `SampleBatch`es through
-tree walks: the lean update sets training mode once per update, logs the same metric directly,
-and cuts flat tensor batches with `LeanMiniBatchIterator` (the same minibatches to the bit).
+Around the loss, per minibatch, RLlib also walks every submodule to set training mode, computes
+statistics and an off-policyness metric that `window=1` keeps only for the last minibatch, and
+slices and concatenates `SampleBatch`es through tree walks: the lean update sets training mode
+once per update, computes those metrics once (PPO) or logs them directly (APPO, IMPALA), and cuts
+flat tensor batches with `LeanMiniBatchIterator` (the same minibatches to the bit).
 """
 
 from __future__ import annotations
@@ -259,8 +260,8 @@ class LeanMiniBatchIterator:
     with the same `np.random.permutation` calls, to the bit.
 
     RLlib slices a `SampleBatch` (a tree walk), concatenates the slices with `concat_samples`
-    (another, plus its checks) for every minibatch, and shuffles with a third walk: 12 % of a
-    CartPole PPO update. Here each column is cut and concatenated directly.
+    (another, plus its checks) for every minibatch, and shuffles with a third walk: 13.6 ms of a
+    200 ms CartPole PPO update (83 minibatches). Each column cut and concatenated directly: 6.0 ms.
     """
 
     def __init__(self, rllib_iterator: MiniBatchCyclicIterator) -> None:
