@@ -215,7 +215,7 @@ class LeanPPOTorchLearner(LeanUpdate, PPOTorchLearner):
                     self.metrics.log_value((module_id, name), value, reduce="mean", window=1)
         self._last_minibatch_stats.clear()
         if self._last_minibatch is not None:
-            LeanUpdate._compute_off_policyness(self, self._last_minibatch)
+            super()._compute_off_policyness(self._last_minibatch)
             self._last_minibatch = None
 
     def after_gradient_based_update(self, *, timesteps: dict) -> None:
