@@ -30,6 +30,7 @@ from ray.rllib.utils.metrics import WEIGHTS_SEQ_NO
 from ray.rllib.utils.spaces.space_utils import clip_action, unsquash_action
 
 from rlplatform import connector_frames, torch_seed
+from rlplatform.episode_transport import PackedEpisodes
 
 torch_seed.install()  # before EnvRunner.__init__ seeds torch in this process
 connector_frames.install()  # before it builds its connector pipelines
@@ -52,6 +53,11 @@ class LeanEnvRunner(SingleAgentEnvRunner):
             type(c).on_episode_step is not RLlibCallback.on_episode_step for c in self._callbacks
         )
         self._next_obs: Optional[np.ndarray] = None  # the batch the next actions are computed from
+
+    def sample(self, **kwargs: Any) -> list:
+        episodes = super().sample(**kwargs)
+        # A remote runner's episodes are pickled on their way out; packed, that costs a fifth as much.
+        return PackedEpisodes(episodes) if self.worker_index > 0 else episodes
 
     def _sample(self, *, num_timesteps: Optional[int] = None, num_episodes: Optional[int] = None, explore: bool,
                 random_actions: bool = False, force_reset: bool = False) -> list:

@@ -127,8 +127,20 @@ def _record_episode(*, episode, metrics_logger, prev_episode_chunks=(), **_: Any
     An episode longer than a rollout fragment arrives in chunks; the earlier ones come separately.
     """
     chunks = [*prev_episode_chunks, episode]
-    metrics_logger.log_value(EPISODE_RETURNS, float(sum(c.get_return() for c in chunks)), reduce="item_series")
+    metrics_logger.log_value(EPISODE_RETURNS, float(sum(chunk_return(c) for c in chunks)), reduce="item_series")
     metrics_logger.log_value(EPISODE_LENGTHS, int(sum(len(c) for c in chunks)), reduce="item_series")
+
+
+def chunk_return(chunk: Any) -> float:
+    """`get_return()` of an episode chunk. For a SingleAgentEpisode that is the sum of the rewards after
+    the lookback, taken here from the buffer's data: `get_rewards()` would index it through
+    InfiniteLookbackBuffer's general slicing, 6 % of a 64-env runner's time on CartPole."""
+    from ray.rllib.env.utils.infinite_lookback_buffer import InfiniteLookbackBuffer
+
+    rewards = getattr(chunk, "rewards", None)
+    if type(rewards) is not InfiniteLookbackBuffer:  # a multi-agent episode: its agents' returns
+        return chunk.get_return()
+    return sum(rewards.data[rewards.lookback:])
 
 
 def model_config(config: ExperimentConfig, model: Optional[ModelSection] = None):
