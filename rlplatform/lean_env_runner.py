@@ -39,6 +39,7 @@ DEFAULT_ENV_TO_MODULE = ("AddObservationsFromEpisodesToBatch", "AddTimeDimToBatc
                          "AddStatesFromEpisodesToBatch", "BatchIndividualItems", "NumpyToTensor")
 DEFAULT_MODULE_TO_ENV = ("GetActions", "TensorToNumpy", "UnBatchToIndividualItems", "RemoveSingleTsTimeRankFromBatch",
                          "NormalizeAndClipActions", "ListifyDataForVectorEnv")
+EPISODE_EVENTS = ("on_episode_created", "on_episode_start", "on_episode_step", "on_episode_end")
 LEAN_ACTION_SPACES = (gym.spaces.Discrete, gym.spaces.Box, gym.spaces.MultiDiscrete)
 
 
@@ -49,10 +50,21 @@ class LeanEnvRunner(SingleAgentEnvRunner):
             # As many torch threads as CPUs this actor reserved: no oversubscription (torch takes every core).
             torch.set_num_threads(max(1, int(self.config.num_cpus_per_env_runner)))
         self.lean = self.env is not None and lean_path_applies(self)
-        self._step_callbacks = self.config.callbacks_on_episode_step is not None or any(
-            type(c).on_episode_step is not RLlibCallback.on_episode_step for c in self._callbacks
-        )
+        self._heard_episode_events = {event for event in EPISODE_EVENTS if self._someone_listens(event)}
         self._next_obs: Optional[np.ndarray] = None  # the batch the next actions are computed from
+
+    def _someone_listens(self, event: str) -> bool:
+        """A callback function is configured for the event, or a callback object overrides RLlib's no-op method."""
+        return getattr(self.config, f"callbacks_{event}") is not None or any(
+            getattr(type(c), event) is not getattr(RLlibCallback, event) for c in self._callbacks
+        )
+
+    def _make_on_episode_callback(self, which: str, idx: int, episodes: list) -> None:
+        # RLlib builds the arguments and walks the callback lists three times per episode even when nothing
+        # listens: 5 % of a 64-env runner's time on CartPole.
+        heard = getattr(self, "_heard_episode_events", None)  # None while RLlib's __init__ runs
+        if heard is None or which in heard:
+            super()._make_on_episode_callback(which, idx, episodes)
 
     def sample(self, **kwargs: Any) -> list:
         episodes = super().sample(**kwargs)
@@ -95,7 +107,7 @@ class LeanEnvRunner(SingleAgentEnvRunner):
                 extra[WEIGHTS_SEQ_NO] = self._weights_seq_no
                 episode.add_env_step(observation=observations[i], action=actions[i], reward=rewards[i], infos=infos[i],
                                      terminated=terminateds[i], truncated=truncateds[i], extra_model_outputs=extra)
-                if self._step_callbacks:
+                if "on_episode_step" in self._heard_episode_events:
                     self._make_on_episode_callback("on_episode_step", i, episodes)
                 if episode.is_done:
                     self._make_on_episode_callback("on_episode_end", i, episodes)

@@ -104,3 +104,27 @@ def test_random_actions_and_whole_episodes_take_rllibs_path_and_back():
     assert sum(e.env_steps() for e in lean.sample(num_timesteps=10, random_actions=True)) >= 10
     assert len(lean.sample(num_episodes=2)) >= 2
     assert sum(e.env_steps() for e in lean.sample(num_timesteps=10)) >= 10
+
+
+def test_episode_callbacks_run_where_someone_listens():
+    from collections import Counter
+
+    from ray.rllib.callbacks.callbacks import RLlibCallback
+
+    from rlplatform.lean_env_runner import LeanEnvRunner
+
+    seen = Counter()
+
+    class CountsCreated(RLlibCallback):
+        def on_episode_created(self, **_):
+            seen["created"] += 1
+
+    config = build_algorithm_config(resolve_experiment(None, ["scale.envs_per_runner=4"]).config)
+    config.callbacks(CountsCreated, on_episode_start=lambda **_: seen.update(["start"]))
+    lean = LeanEnvRunner(config=config, worker_index=1, num_workers=1)
+    assert lean._heard_episode_events == {"on_episode_created", "on_episode_start", "on_episode_end"}
+    episodes = lean.sample(num_timesteps=400)
+    finished = sum(e.is_done for e in episodes)
+    assert finished > 0
+    assert seen["created"] >= finished + 4 and seen["start"] >= finished + 4  # the first 4, then one per finished
+    assert len(list(lean.get_metrics()["rlp_episode_returns"].peek())) >= finished
