@@ -12,6 +12,9 @@ batch, and keeps everything else RLlib's own: the episodes, their cutting into c
 
 Anything else (custom connectors, stateful modules, nested spaces, GPU runners, random actions,
 sampling whole episodes for evaluation) takes RLlib's path unchanged.
+
+On every path, episode callbacks run only for events something listens to, and a remote runner
+returns its episodes as `PackedEpisodes` (episode_transport.py), which Ray pickles column by column.
 """
 
 from __future__ import annotations
