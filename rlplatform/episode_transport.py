@@ -8,8 +8,8 @@ per 3,200-step fragment: profiled in a 1x64 runner, that was 19 % of the runner'
 in ChainMap lookups.
 
 `PackedEpisodes` is a list whose pickled form puts every array of the same dtype and row shape,
-from all episodes, into one array, and keeps the rest of each episode as plain tuples and dicts
-(which pickle in C). Unpickled, it is a plain list of SingleAgentEpisodes with the same attributes
+from all episodes, into one array, and each other attribute into a plain list, one per attribute
+(lists, dicts and strings pickle in C). Unpickled, it is a plain list of SingleAgentEpisodes with the same attributes
 and values; their arrays are views into those few arrays, read-only where Ray's zero-copy arrays are.
 Anything but SingleAgentEpisodes pickles as a plain list.
 """
