@@ -9,15 +9,16 @@ in ChainMap lookups.
 
 `PackedEpisodes` is a list whose pickled form puts every array of the same dtype and row shape,
 from all episodes, into one array, and each other attribute into a plain list, one per attribute
-(lists, dicts and strings pickle in C). Unpickled, it is a plain list of SingleAgentEpisodes with the same attributes
-and values; their arrays are views into those few arrays, read-only where Ray's zero-copy arrays are.
+(lists, dicts and strings pickle in C). Unpickled, it is a plain list of SingleAgentEpisodes with
+the same attributes and values; their arrays are views into those few arrays, read-only where
+Ray's zero-copy arrays are.
 Anything but SingleAgentEpisodes pickles as a plain list.
 """
 
 from __future__ import annotations
 
 import copyreg
-from typing import Any
+from itertools import accumulate
 
 import numpy as np
 from ray.rllib.env.single_agent_episode import SingleAgentEpisode
@@ -45,8 +46,7 @@ def pack_column(values: list) -> tuple:
     first = values[0]
     kind = type(first)
     if kind is np.ndarray and first.ndim and _same_rows(values):
-        lengths = np.fromiter((len(v) for v in values), dtype=np.int64, count=len(values))
-        return ARRAYS, np.concatenate(values), np.cumsum(lengths)[:-1].tolist()
+        return ARRAYS, np.concatenate(values), list(accumulate(len(v) for v in values[:-1]))
     if isinstance(first, np.generic) and first.dtype.kind in "biufc" and all(type(v) is kind for v in values):
         return SCALARS, np.array(values, dtype=first.dtype)
     if kind is InfiniteLookbackBuffer and all(type(v) is kind for v in values):

@@ -110,7 +110,7 @@ class LeanEnvRunner(SingleAgentEnvRunner):
                 extra[WEIGHTS_SEQ_NO] = self._weights_seq_no
                 episode.add_env_step(observation=observations[i], action=actions[i], reward=rewards[i], infos=infos[i],
                                      terminated=terminateds[i], truncated=truncateds[i], extra_model_outputs=extra)
-                if "on_episode_step" in self._heard_episode_events:
+                if "on_episode_step" in self._heard_episode_events:  # checked here: saves a call per env step
                     self._make_on_episode_callback("on_episode_step", i, episodes)
                 if episode.is_done:
                     self._make_on_episode_callback("on_episode_end", i, episodes)

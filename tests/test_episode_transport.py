@@ -32,12 +32,11 @@ def assert_same(a, b, path="episode"):
     if isinstance(a, np.ndarray):
         assert a.dtype == b.dtype and a.shape == b.shape, path
         np.testing.assert_array_equal(a, b, err_msg=path)
-    elif isinstance(a, (SingleAgentEpisode, InfiniteLookbackBuffer)):
-        names = EPISODE_SLOTS if isinstance(a, SingleAgentEpisode) else vars(a)
-        if isinstance(b, InfiniteLookbackBuffer):
-            assert vars(a).keys() == vars(b).keys(), path
-        for name in names:
+    elif isinstance(a, SingleAgentEpisode):
+        for name in EPISODE_SLOTS:
             assert_same(getattr(a, name), getattr(b, name), f"{path}.{name}")
+    elif isinstance(a, InfiniteLookbackBuffer):
+        assert_same(vars(a), vars(b), path)
     elif isinstance(a, dict):
         assert a.keys() == b.keys(), path
         for key in a:

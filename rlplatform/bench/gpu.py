@@ -4,7 +4,8 @@ Trains `experiments/pong_appo.yaml` (or the experiment given) with the `workstat
 (learner on the GPU in the main process, env runners on the spare cores) for `--minutes`, as a real
 `train` process, then reads its metrics: env steps the learner trained per second (each sample
 counted once), env steps sampled per second and GPU utilisation (nvidia-smi, measured once a
-second; each iteration's row has the latest), as medians over the iterations after the warm-up. Refuses to start without a GPU.
+second; each iteration's row has the latest), as medians over the iterations after the warm-up.
+Refuses to start without a GPU.
 Results: `<output>/gpu-<name>-<time>/gpu.json`.
 """
 
