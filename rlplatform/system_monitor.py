@@ -18,6 +18,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 SAMPLE_TIMEOUT_S = 5.0
 INTERVAL_S = 1.0
+NVIDIA_SMI_FIELDS = "utilization.gpu,memory.used"  # the order parse_nvidia_smi reads
 
 
 class NodeProbe:
@@ -40,16 +41,37 @@ def _nvidia_smi() -> list[dict[str, float]]:
         return []
     try:
         out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=utilization.gpu,memory.used", "--format=csv,noheader,nounits"],
+            ["nvidia-smi", f"--query-gpu={NVIDIA_SMI_FIELDS}", "--format=csv,noheader,nounits"],
             capture_output=True, text=True, timeout=5, check=True,
         ).stdout
     except (OSError, subprocess.SubprocessError):
         return []
+    return parse_nvidia_smi(out)
+
+
+def parse_nvidia_smi(out: str) -> list[dict[str, float]]:
+    """One dict per GPU from `nvidia-smi --query-gpu=NVIDIA_SMI_FIELDS --format=csv,noheader,nounits`.
+
+    A value nvidia-smi cannot read (`[N/A]` for utilisation on a MIG instance, `[Not Supported]`)
+    is left out of its GPU's dict; failing on it would lose the node's CPU and RAM figures too.
+    """
     gpus = []
     for line in out.strip().splitlines():
-        util, mem_mib = (float(x) for x in line.split(","))
-        gpus.append({"util_percent": util, "mem_used_gb": mem_mib / 1024})
+        util, mem_mib = (_reading(text) for text in line.split(","))
+        gpu = {}
+        if util is not None:
+            gpu["util_percent"] = util
+        if mem_mib is not None:
+            gpu["mem_used_gb"] = mem_mib / 1024
+        gpus.append(gpu)
     return gpus
+
+
+def _reading(text: str) -> Optional[float]:
+    try:
+        return float(text)
+    except ValueError:
+        return None
 
 
 class SystemMonitor:
@@ -119,8 +141,8 @@ class SystemMonitor:
             metrics[f"system/{ip}/cpu_percent"] = stats["cpu_percent"]
             metrics[f"system/{ip}/ram_percent"] = stats["ram_percent"]
             for gpu in stats["gpus"]:
-                metrics[f"system/gpu{gpu_index}/util_percent"] = gpu["util_percent"]
-                metrics[f"system/gpu{gpu_index}/mem_used_gb"] = gpu["mem_used_gb"]
+                for key, value in gpu.items():
+                    metrics[f"system/gpu{gpu_index}/{key}"] = value
                 gpu_index += 1
         used = _object_store_used_bytes(alive)
         if used is not None:

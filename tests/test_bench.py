@@ -96,4 +96,19 @@ def test_gpu_preset_refuses_a_machine_without_gpu(tmp_path):
 
     if torch.cuda.is_available():
         return  # on a GPU machine the preset runs for real: `rlplatform bench gpu`
-    assert_user_error(run_cli("bench", "gpu", "-o", tmp_path), "needs a GPU")
+    assert_user_error(run_cli("bench", "gpu", "-o", tmp_path), "needs a GPU", "--profile laptop")
+
+
+def test_gpu_preset_without_a_gpu_learner_measures_the_cpu_baseline(tmp_path):
+    # The laptop profile keeps the learner on the CPU: the same Pong APPO learner, measured the same way.
+    result = run_cli("bench", "gpu", "--profile", "laptop", "--minutes", "1", "--warmup-minutes", "0.3",
+                     "--set", "scale.envs_per_runner=1", "--set", "training.train_batch_size_per_learner=100",
+                     "-o", tmp_path, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    (path,) = tmp_path.glob("gpu-pong-appo-*/gpu.json")
+    data = json.loads(path.read_text())
+    assert data["learner_device"] == "CPU" and data["layout"] == "1x1xsync"
+    assert data["iterations_measured"] >= 1
+    assert data["env_steps_sampled_per_s"] > 0 and data["env_steps_trained_per_s"] > 0, data
+    assert data["gpu_util_percent"] is None  # no GPU, no reading
+    assert "learner on the CPU" in result.stdout

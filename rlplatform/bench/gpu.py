@@ -5,7 +5,9 @@ Trains `experiments/pong_appo.yaml` (or the experiment given) with the `workstat
 `train` process, then reads its metrics: env steps the learner trained per second (each sample
 counted once), env steps sampled per second and GPU utilisation (nvidia-smi, measured once a
 second; each iteration's row has the latest), as medians over the iterations after the warm-up.
-Refuses to start without a GPU.
+Refuses to start without a GPU, unless a profile with no GPU learner is asked for (`--profile
+laptop`, or `auto` on a machine without one): then it measures the same learner on the CPU, the
+baseline for the GPU's number.
 Results: `<output>/gpu-<name>-<time>/gpu.json`.
 """
 
@@ -40,22 +42,31 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--minutes must be > 0 and --warmup-minutes between 0 and --minutes")
     args.experiment = args.experiment or _preset_path()
     args.profile = args.profile or PROFILE
-    if not args.address and cluster.local_resources().gpus < 1:
-        raise UserError("bench gpu needs a GPU: torch sees no CUDA device on this machine (give --address for a GPU cluster)")
     config = check_experiment(args)
+    wants_gpu = config.profile != "auto" and config.hardware.gpus_per_learner > 0  # auto takes a GPU where there is one
+    if wants_gpu and not args.address and cluster.local_resources().gpus < 1:
+        raise UserError("bench gpu needs a GPU: torch sees no CUDA device on this machine (give --address for a GPU "
+                        "cluster, or --profile laptop to measure the same learner on the CPU)")
     root = bench_dir(args.output, "gpu", config.name)
     progress.console.print(f"bench gpu: training {config.name} ({args.profile}) for {args.minutes:g} min")
     run_ = run_training(args, root / "run", wall_clock_only(args.minutes), timeout_s=60 * args.minutes + 600)
     if run_.returncode != 0:
         raise TrainingFailed(run_.failure())
     summary = summarize(run_.metrics, 60 * args.warmup_minutes)
-    result = {"experiment": config.name, "profile": args.profile, "minutes": args.minutes, **summary, "run_dir": str(run_.run_dir)}
+    result = {"experiment": config.name, "profile": args.profile, "minutes": args.minutes, "layout": run_.layout,
+              "learner_device": learner_device(run_.config), **summary, "run_dir": str(run_.run_dir)}
     path = write_json(root / "gpu.json", result)
     progress.console.print(
-        f"learner: {_fmt(summary['env_steps_trained_per_s'])} env steps trained/s, sampling {_fmt(summary['env_steps_sampled_per_s'])}/s, "
-        f"GPU utilisation {_fmt(summary['gpu_util_percent'])} % (medians over {summary['iterations_measured']} iterations after warm-up)")
+        f"learner on the {result['learner_device']}: {_fmt(summary['env_steps_trained_per_s'])} env steps trained/s, "
+        f"sampling {_fmt(summary['env_steps_sampled_per_s'])}/s ({result['layout']}), GPU utilisation "
+        f"{_fmt(summary['gpu_util_percent'])} % (medians over {summary['iterations_measured']} iterations after warm-up)")
     progress.console.print(f"written: {path}")
     return 0
+
+
+def learner_device(run_config: dict[str, Any]) -> str:
+    """Where the run's learners were, from the config it wrote: "GPU" or "CPU"."""
+    return "GPU" if run_config.get("hardware", {}).get("gpus_per_learner", 0) > 0 else "CPU"
 
 
 def summarize(metrics: list[dict[str, Any]], warmup_s: float) -> dict[str, Any]:

@@ -69,22 +69,10 @@ def seed_result(seed: int, run: TrainingRun) -> dict[str, Any]:
         "startup": startup,
         "training_s": (solved_at["wall_time_s"] - startup["algorithm_ready_s"]) if solved_at and startup else None,
         "stop": run.stop_line,
-        "layout": run_layout(run),  # --profile auto may take it from `bench throughput`'s cache
+        "layout": run.layout,  # --profile auto may take it from `bench throughput`'s cache
         "layout_from_bench": run.manifest.get("layout_from_bench"),
         "run_dir": str(run.run_dir),
     }
-
-
-def run_layout(run: TrainingRun) -> Optional[str]:
-    """The run's env runners x envs per runner x vectorisation, from the config it wrote."""
-    from rlplatform.config import read_yaml
-    from rlplatform.rundir import CONFIG_FILE
-
-    path = run.run_dir / CONFIG_FILE
-    if not path.is_file():
-        return None
-    scale = read_yaml(path, "run config").get("scale", {})
-    return f"{scale.get('env_runners')}x{scale.get('envs_per_runner')}x{scale.get('vectorize')}"
 
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Optional[float]]:

@@ -16,6 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from rlplatform.config import read_yaml
+from rlplatform.rundir import CONFIG_FILE
+
 
 def add_training_arguments(q, default_experiment: str = "experiments/cartpole_ppo.yaml") -> None:
     q.add_argument("experiment", nargs="?", type=Path, help=f"experiment YAML (default: {default_experiment})")
@@ -36,6 +39,13 @@ class TrainingRun:
     stderr: str
     metrics: list[dict[str, Any]] = field(default_factory=list)
     manifest: dict[str, Any] = field(default_factory=dict)
+    config: dict[str, Any] = field(default_factory=dict)  # as the run wrote it, after --profile auto sized it
+
+    @property
+    def layout(self) -> Optional[str]:
+        """Env runners x envs per runner x vectorisation, as the run ran them."""
+        scale = self.config.get("scale")
+        return f"{scale.get('env_runners')}x{scale.get('envs_per_runner')}x{scale.get('vectorize')}" if scale else None
 
     @property
     def stop_line(self) -> str:
@@ -95,6 +105,8 @@ def finish(proc: subprocess.Popen, started: float, runs_dir: Path, log_dir: Path
     run = TrainingRun(run_dir=run_dir, returncode=proc.returncode, command_s=command_s, stdout=stdout, stderr=stderr)
     if manifests:
         run.manifest = json.loads(manifests[-1].read_text())
+        if (run_dir / CONFIG_FILE).is_file():
+            run.config = read_yaml(run_dir / CONFIG_FILE, "run config")
         metrics_file = run_dir / "metrics.jsonl"
         if metrics_file.is_file():
             run.metrics = [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()]
