@@ -73,11 +73,11 @@ def test_soak_reads_memory_of_driver_algorithm_and_runner(tmp_path):
     (path,) = tmp_path.glob("soak-cartpole-ppo-*/soak.json")
     data = json.loads(path.read_text())
     roles = {p["role"] for p in data["processes"]}
-    assert {"driver", "algorithm + local learner", "env runner"} <= roles, roles
+    assert {"driver", "algorithm + local learner", "env runner", "system monitor", "ray gcs server", "ray raylet"} <= roles, roles
     for p in data["processes"]:
-        if p["role"] != "ray system":
-            assert p["growth"] is not None and p["rss_after_warmup_mb"] > 50, p
-    assert data["worst_growth"] == max(p["growth"] for p in data["processes"] if p["role"] != "ray system")
+        if p["role"] != "other":
+            assert p["growth"] is not None and p["rss_after_warmup_mb"] > 10, p
+    assert data["worst_growth"] == max(p["growth"] for p in data["processes"] if p["growth"] is not None)
     assert (path.parent / "soak.png").stat().st_size > 5000
     assert "worst growth" in result.stdout
 

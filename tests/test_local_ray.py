@@ -2,8 +2,8 @@
 
 A local run starts the GCS, the raylet and its agents, but not the dashboard head, the autoscaler
 monitor or the log monitor (cluster._lean_local_node), and with `prestart_workers=False` no idle
-workers. The driver chooses the agents' ports, and the agents bind them. Token authentication stays
-on. One real instance for the module.
+workers, and its workers record no task events. The driver chooses the agents' ports, and the
+agents bind them. Token authentication stays on. One real instance for the module.
 """
 
 import psutil
@@ -71,6 +71,28 @@ def test_tasks_and_actors_run_without_prestarted_workers(local_ray):
     assert ray.get([square.remote(i) for i in range(4)], timeout=60) == [0, 1, 4, 9]
     counter = Counter.remote()
     assert ray.get([counter.add.remote(2), counter.add.remote(3)], timeout=60) == [2, 5]
+
+
+def test_gcs_memory_does_not_grow_with_actor_calls(local_ray):
+    """Workers record no task events on a private instance (cluster.NO_TASK_EVENTS): measured here,
+    5000 calls grew the GCS by 19 MB with them, by 0.2 MB without."""
+    import time
+
+    gcs = psutil.Process(ray._private.worker._global_node.all_processes[ray_constants.PROCESS_TYPE_GCS_SERVER][0].process.pid)
+
+    @ray.remote(num_cpus=1)
+    class Echo:
+        def ping(self, x: int) -> int:
+            return x
+
+    echo = Echo.remote()
+    ray.get(echo.ping.remote(0), timeout=60)
+    time.sleep(2)
+    before = gcs.memory_info().rss
+    for _ in range(5):
+        ray.get([echo.ping.remote(i) for i in range(1000)], timeout=60)
+    time.sleep(2.5)  # more than one report interval (1 s by default) for events that were recorded
+    assert gcs.memory_info().rss - before < 5 * 2**20
 
 
 def test_agents_listen_on_the_ports_the_raylet_was_given(local_ray):

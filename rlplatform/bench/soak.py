@@ -2,9 +2,9 @@
 
 One real `train` process runs for M minutes (its stop criteria replaced by a wall-time limit).
 Every `--interval` seconds the resident memory (RSS) of the driver (on a local CPU run it holds the
-Algorithm and its local learner) and of every Ray worker below it (the algorithm-host actor where
-there is one, each env runner, each remote learner) is read
-with psutil. Growth per process is measured from the end of the warm-up (default: the first two
+Algorithm and its local learner) and of every process below it is read with psutil: the
+algorithm-host actor where there is one, each env runner, each remote learner, the system
+monitor, and Ray's own (GCS, raylet, its agents). Growth per process is measured from the end of the warm-up (default: the first two
 minutes, as long runs allocate their buffers early) to the end of the run, on the median of the
 last few samples of each span, so that one garbage-collection spike does not decide it.
 Results: `<output>/soak-<name>-<time>/soak.json` and `soak.png`.
@@ -31,11 +31,15 @@ ROLES = {  # Ray's process title of an actor is "ray::<ClassName>[.method]"
     "SingleAgentEnvRunner": "env runner",
     "MultiAgentEnvRunner": "env runner",
     "Learner": "learner",
+    "NodeProbe": "system monitor",
+    "DashboardAgent": "ray dashboard agent",
+    "RuntimeEnvAgent": "ray runtime env agent",
 }
+RAY_EXECUTABLES = {"gcs_server": "ray gcs server", "raylet": "ray raylet"}
 
 
 def add_verb(verbs) -> None:
-    q = verbs.add_parser("soak", help="resident memory of the driver and every runner and learner over a long run")
+    q = verbs.add_parser("soak", help="resident memory of every process of a run (driver, runners, learners, Ray's own) over a long run")
     add_training_arguments(q)
     q.add_argument("--minutes", type=float, default=20.0, help="how long to train (default: 20)")
     q.add_argument("--warmup-minutes", type=float, help="growth is measured after this (default: 2, or a tenth of short runs)")
@@ -62,8 +66,7 @@ def run(args: argparse.Namespace) -> int:
     if run_.returncode != 0:
         raise TrainingFailed(run_.failure())
     processes = growth_per_process(samples, warmup_s)
-    watched = [p for p in processes if p["role"] != "ray system"]
-    worst = max((p["growth"] for p in watched if p["growth"] is not None), default=None)
+    worst = max((p["growth"] for p in processes if p["growth"] is not None), default=None)
     result = {"experiment": config.name, "minutes": args.minutes, "warmup_s": warmup_s, "interval_s": args.interval,
               "growth_target": GROWTH_TARGET, "worst_growth": worst, "within_target": worst is not None and worst < GROWTH_TARGET,
               "env_steps": (run_.metrics[-1]["env_steps"] if run_.metrics else None), "processes": processes,
@@ -76,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def role_of(proc) -> Optional[str]:
-    """What a process under the driver is, from Ray's process title; None for ones we do not track."""
+    """What a process under the driver is, from Ray's process title or executable; None for idle workers."""
     try:
         cmdline = proc.cmdline()
     except Exception:  # gone, or not ours to read
@@ -88,8 +91,8 @@ def role_of(proc) -> Optional[str]:
             return ROLES[name]
         if name.endswith("Learner"):  # PPOTorchLearner and friends, when remote
             return "learner"
-        return None if name == "IDLE" else "ray system"
-    return "ray system"
+        return None if name == "IDLE" else f"ray {name}"
+    return RAY_EXECUTABLES.get(Path(title).name, "other")
 
 
 def sample_memory(driver_pid: int, started: float, interval_s: float, poll) -> list[dict[str, Any]]:
@@ -142,13 +145,8 @@ def _print_table(processes: list[dict[str, Any]], worst: Optional[float]) -> Non
     for column in ("process", "pid", "after warm-up MB", "end MB", "max MB", "growth"):
         table.add_column(column, justify="right")
     for p in processes:
-        if p["role"] == "ray system":
-            continue
         table.add_row(p["role"], str(p["pid"]), _mb(p["rss_after_warmup_mb"]), _mb(p["rss_end_mb"]), _mb(p["rss_max_mb"]),
                       "-" if p["growth"] is None else f"{p['growth']:+.1%}")
-    system = [p for p in processes if p["role"] == "ray system"]
-    if system:
-        table.add_row(f"ray system ({len(system)})", "", "", "", _mb(sum(p["rss_max_mb"] for p in system)), "")
     progress.console.print(table)
     if worst is None:
         progress.console.print("too few samples after the warm-up to measure growth; run longer or sample more often")
@@ -168,8 +166,6 @@ def plot(samples: list[dict[str, Any]], processes: list[dict[str, Any]], warmup_
 
     fig, ax = plt.subplots(figsize=(9, 5))
     for p in processes:
-        if p["role"] == "ray system":
-            continue
         pid = str(p["pid"])
         series = [(s["t"] / 60, s["rss"][pid]["rss"] / 2**20) for s in samples if pid in s["rss"]]
         ax.plot(*zip(*series), label=f"{p['role']} ({pid})")
