@@ -4,9 +4,10 @@ One real `train` process runs for M minutes (its stop criteria replaced by a wal
 Every `--interval` seconds the resident memory (RSS) of the driver (on a local CPU run it holds the
 Algorithm and its local learner) and of every process below it is read with psutil: the
 algorithm-host actor where there is one, each env runner, each remote learner, the system
-monitor, and Ray's own (GCS, raylet, its agents). Growth per process is measured from the end of the warm-up (default: the first two
-minutes, as long runs allocate their buffers early) to the end of the run, on the median of the
-last few samples of each span, so that one garbage-collection spike does not decide it.
+monitor, and Ray's own (GCS, raylet, its agents). Growth per process is measured from the end of
+the warm-up (default: the first two minutes, as long runs allocate their buffers early) to the end
+of the run, on the median of the last few samples of each span, so that one garbage-collection
+spike does not decide it.
 Results: `<output>/soak-<name>-<time>/soak.json` and `soak.png`.
 """
 
