@@ -8,6 +8,7 @@ an actor of the run's placement group: see algorithm_host).
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import time
 from dataclasses import dataclass, field
@@ -21,6 +22,10 @@ from rlplatform.errors import TrainingFailed, UserError
 from rlplatform.experiment import ResolvedExperiment, resolve_experiment
 
 STALL_TIMEOUT_S = 300.0
+# A process that a shell exec'd keeps the shell's creation time (`bash -c 'pip install ... && python -m
+# rlplatform train'` runs its last command in bash's own process), while Python reaches this package
+# within tens of milliseconds of its start: a creation time older than that by more is the shell's.
+EXEC_GRACE_S = 1.0
 
 
 def add_parser(subparsers) -> None:
@@ -180,7 +185,7 @@ def train_loop(plan: Plan) -> int:
     from rlplatform.system_monitor import SystemMonitor
 
     config, run_dir = plan.config, plan.run_dir
-    started = _process_start_time()  # wall time counts from the command's start, Ray start-up included
+    started = command_start_time()  # wall time counts from the command's start, Ray start-up included
     progress.print_start(run_dir, config, plan.resources.describe())
     if plan.layout_note:
         progress.console.print(plan.layout_note)
@@ -271,10 +276,25 @@ class StallGuard:
             )
 
 
-def _process_start_time() -> float:
-    import psutil
+def command_start_time() -> float:
+    """time.time() when this command started, the interpreter's own start-up included."""
+    import rlplatform
 
-    return psutil.Process().create_time()
+    created = _process_creation_time()
+    return created if rlplatform.IMPORTED_AT - created < EXEC_GRACE_S else rlplatform.IMPORTED_AT
+
+
+def _process_creation_time() -> float:
+    # psutil adds the start tick to /proc/stat's boot time, a whole second: up to 1 s early (0.65 s on
+    # this machine). The process's age on the boot clock is exact to the tick (10 ms).
+    try:
+        start_ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - start_ticks / os.sysconf("SC_CLK_TCK")
+        return time.time() - age
+    except (OSError, AttributeError, ValueError, IndexError):  # no /proc or no boot clock: not Linux
+        import psutil
+
+        return psutil.Process().create_time()
 
 
 def _score(m: dict[str, Any]) -> Optional[float]:

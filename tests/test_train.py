@@ -59,6 +59,23 @@ def test_two_iterations_with_remote_runners(algorithm, ray_head, runs):
     assert checkpoints == ["checkpoint_000001", "checkpoint_000002"]
 
 
+def test_wall_time_counts_from_this_command_not_the_shell_that_execd_it(ray_head, runs):
+    """`bash -c '... && python -m rlplatform train'` gives the shell's process to train: the shell's
+    time must count neither in the start-up figures nor towards `stop.wall_time_s`."""
+    shell_s = 6
+    command = [sys.executable, "-m", "rlplatform", "train", "--address", ray_head.address, "--runs-dir", str(runs),
+               "--set", "name=execd", *TINY, *ALGORITHMS["PPO"], "--set", "stop.iterations=1"]
+    started = time.time()
+    result = subprocess.run(["bash", "-c", f"sleep {shell_s} && exec {' '.join(command)}"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=300)
+    command_s = time.time() - started - shell_s
+    assert result.returncode == 0, result.stdout + result.stderr
+    run_dir = only_run_dir(runs, "execd")
+    (row,) = read_metrics(run_dir)
+    assert 0 < row["wall_time_s"] <= command_s
+    assert 0 < json.loads((run_dir / "manifest.json").read_text())["startup"]["ray_ready_s"] < command_s
+
+
 def test_resume_continues_counters_in_the_same_run(ray_head, runs):
     first = run_cli("train", "--address", ray_head.address, "--runs-dir", runs, "--set", "name=resume", *TINY,
                     "--set", "training.train_batch_size_per_learner=500", timeout=300)
