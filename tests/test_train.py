@@ -2,6 +2,7 @@
 resume, Ctrl-C, evaluate with video. The algorithm runs share one Ray head per module."""
 
 import json
+import shlex
 import signal
 import subprocess
 import sys
@@ -66,7 +67,7 @@ def test_wall_time_counts_from_this_command_not_the_shell_that_execd_it(ray_head
     command = [sys.executable, "-m", "rlplatform", "train", "--address", ray_head.address, "--runs-dir", str(runs),
                "--set", "name=execd", *TINY, *ALGORITHMS["PPO"], "--set", "stop.iterations=1"]
     started = time.time()
-    result = subprocess.run(["bash", "-c", f"sleep {shell_s} && exec {' '.join(command)}"], cwd=ROOT,
+    result = subprocess.run(["bash", "-c", f"sleep {shell_s} && exec {shlex.join(command)}"], cwd=ROOT,
                             capture_output=True, text=True, timeout=300)
     command_s = time.time() - started - shell_s
     assert result.returncode == 0, result.stdout + result.stderr
