@@ -1,20 +1,22 @@
 """Our Gymnasium environments, registered under the `rlplatform/` namespace on import.
 
-Experiment files name them `rlplatform/<Name>-v<N>`; the platform passes them to Ray's
-env runners as `envs:rlplatform/...` so that every worker, on any node, imports this
-package and sees the same registrations.
+The project keeps them in its top-level `envs/` folder, installed as the package
+`rlplatform_envs` (a name of our own, not a global `envs`). Experiment files name them
+`rlplatform/<Name>-v<N>`; the platform passes them to Ray's env runners as
+`rlplatform_envs:rlplatform/...` so that every worker, on any node, imports this package and
+sees the same registrations.
 """
 
 from gymnasium.envs.registration import register, registry
 
 # id -> (entry point, max episode steps, multi-agent)
 ENVS = {
-    "rlplatform/CostlySim-v0": ("envs.costly_sim:CostlySimEnv", 200, False),
-    "rlplatform/PixelCatch-v0": ("envs.pixel_catch:PixelCatchEnv", None, False),
-    "rlplatform/Atari-v0": ("envs.atari:make_atari", None, False),
-    "rlplatform/Faulty-v0": ("envs.faults:make_faulty", None, False),
-    "rlplatform/Pursuit-v0": ("envs.pursuit:PursuitEnv", None, True),
-    "rlplatform/PettingZooParallel-v0": ("envs.pettingzoo_envs:make_parallel", None, True),
+    "rlplatform/CostlySim-v0": ("rlplatform_envs.costly_sim:CostlySimEnv", 200, False),
+    "rlplatform/PixelCatch-v0": ("rlplatform_envs.pixel_catch:PixelCatchEnv", None, False),
+    "rlplatform/Atari-v0": ("rlplatform_envs.atari:make_atari", None, False),
+    "rlplatform/Faulty-v0": ("rlplatform_envs.faults:make_faulty", None, False),
+    "rlplatform/Pursuit-v0": ("rlplatform_envs.pursuit:PursuitEnv", None, True),
+    "rlplatform/PettingZooParallel-v0": ("rlplatform_envs.pettingzoo_envs:make_parallel", None, True),
 }
 MULTI_AGENT = {env_id for env_id, (_, _, multi_agent) in ENVS.items() if multi_agent}
 

@@ -20,16 +20,18 @@ from typing import Any, Optional
 import gymnasium as gym
 import numpy as np
 
-ALGORITHM_HOST_ENV = "RLPLATFORM_ALGORITHM_HOST"
+ALGORITHM_HOST_ENV = "RLPLATFORM_ALGORITHM_HOST"  # rlplatform.run.algorithm_host sets it where the Algorithm lives
 
 
 def _in_remote_env_runner() -> bool:
+    """In a Ray actor (an env runner) that does not hold the algorithm."""
     try:
         import ray
-        from ray._private.worker import WORKER_MODE, global_worker
     except ImportError:
         return False
-    return ray.is_initialized() and global_worker.mode == WORKER_MODE and not os.environ.get(ALGORITHM_HOST_ENV)
+    if not ray.is_initialized() or os.environ.get(ALGORITHM_HOST_ENV):
+        return False
+    return ray.get_runtime_context().get_actor_id() is not None
 
 
 class FaultInjection(gym.Wrapper):
@@ -67,7 +69,7 @@ class FaultInjection(gym.Wrapper):
 
 def make_faulty(env: str = "CartPole-v1", env_config: Optional[dict[str, Any]] = None, render_mode: Optional[str] = None,
                 **faults: Any) -> gym.Env:
-    from rlplatform.env_ids import make_env
+    from rlplatform.config.env_ids import make_env
 
     extra = {"render_mode": render_mode} if render_mode else {}
     return FaultInjection(make_env(env, **(env_config or {}), **extra), **faults)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import warnings
 from typing import Optional, Sequence
 
 from rlplatform import __version__
@@ -22,21 +21,18 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from rlplatform import bench, cluster_command, dashboard, envs_command, evaluate, report, train
+    from rlplatform import bench
+    from rlplatform.commands import cluster, dashboard, envs, evaluate, report, train
 
     parser = _Parser(prog="rlplatform", description="Distributed reinforcement learning on Ray RLlib.")
     parser.add_argument("--version", action="version", version=f"rlplatform {__version__}")
     subparsers = parser.add_subparsers(dest="verb", metavar="VERB", parser_class=_Parser)
-    for verb in (train, evaluate, dashboard, report, envs_command, cluster_command, bench):
+    for verb in (train, evaluate, dashboard, report, envs, cluster, bench):
         verb.add_parser(subparsers)
     return parser
 
 
 def _quiet() -> None:
-    # Ray and RLlib warn loudly about things a normal run cannot act on.
-    warnings.filterwarnings("ignore", category=DeprecationWarning)
-    warnings.filterwarnings("ignore", category=UserWarning)
-    os.environ.setdefault("PYTHONWARNINGS", "ignore::DeprecationWarning,ignore::UserWarning")
     os.environ.setdefault("RAY_DEDUP_LOGS", "1")
 
 
@@ -48,7 +44,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.print_help()
         return EXIT_USAGE
     if getattr(args, "address", None):
-        from rlplatform.cluster import use_token_auth_for_address
+        from rlplatform.infra.local_ray import use_token_auth_for_address
 
         use_token_auth_for_address()  # before anything imports ray
     try:

@@ -5,7 +5,21 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from multinode import ROOT, RayNode, free_port, read_metrics  # noqa: F401  (shared helpers, one definition each)
+
+# Every test carries what it needs, so that `-m "not slow and not cluster and not browser and not learning"`
+# runs the quick part (minutes on 2 cores, no Ray started).
+MARKERS = {
+    "slow": "starts Ray (a private local instance, a head node, a `train` or `bench` process) or trains",
+    "cluster": "needs a second Ray node, `ray up`, Ray Jobs against a head, or docker tooling",
+    "browser": "drives a headless Chromium",
+    "learning": "training runs long enough to show that an algorithm learns",
+}
+
+
+def pytest_configure(config):
+    for name, description in MARKERS.items():
+        config.addinivalue_line("markers", f"{name}: {description}")
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -45,63 +59,9 @@ def runs(tmp_path: Path) -> Path:
     return tmp_path / "runs"
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class RayHead:
-    """A real Ray head node started by the test on loopback, with its own temp dir and token auth.
-
-    Stopped by process id (never `ray stop`, which would kill every Ray process on the host).
-    """
-
-    def __init__(self, num_cpus: int = 2, ip: str = "127.0.0.2"):  # Ray rewrites 127.0.0.1 to the host's address
-        import shutil
-        import tempfile
-        import time
-
-        self.port = free_port()
-        self.address = f"{ip}:{self.port}"
-        self.temp_dir = tempfile.mkdtemp(prefix="rlp-ray-", dir="/tmp")  # short: unix socket paths are limited
-        self.env = {**os.environ, "RAY_AUTH_MODE": "token"}
-        ray_bin = shutil.which("ray", path=str(Path(sys.executable).parent)) or "ray"
-        subprocess.run([ray_bin, "get-auth-token", "--generate"], env=self.env, capture_output=True, check=False)
-        self.process = subprocess.Popen(
-            [ray_bin, "start", "--head", "--block", f"--node-ip-address={ip}", f"--port={self.port}",
-             f"--num-cpus={num_cpus}", "--num-gpus=0", f"--temp-dir={self.temp_dir}", "--include-dashboard=false",
-             "--disable-usage-stats"],
-            env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
-        )
-        deadline = time.time() + 60
-        while time.time() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"ray start failed: {self.process.stderr.read().decode()[-2000:]}")
-            if list(Path(self.temp_dir).glob("session_*/sockets/raylet*")):
-                time.sleep(1.0)
-                return
-            time.sleep(0.5)
-        self.stop()
-        raise RuntimeError("ray head did not come up within 60 s")
-
-    def stop(self) -> None:
-        import shutil
-        import signal
-
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)  # its own session: the head and the processes it started
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-        shutil.rmtree(self.temp_dir, ignore_errors=True)
-
-
 @pytest.fixture(scope="module")
 def ray_head():
-    head = RayHead()
+    """A real Ray head (2 CPUs, no GPU) on 127.0.0.2 for the module's `--address` runs; stopped by process id."""
+    head = RayNode("127.0.0.2", num_cpus=2, fast_failure_detection=False)
     yield head
     head.stop()

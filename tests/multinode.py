@@ -1,5 +1,8 @@
-"""Real multi-node Ray clusters on one machine: each node its own loopback IP, temp dir and process
-session, token auth on, stopped by process id (never `ray stop`)."""
+"""Real Ray nodes on one machine: each node its own loopback IP, temp dir and process session, token
+auth on, stopped by process id (never `ray stop`, which would kill every Ray process on the host).
+
+The one home of the tests' shared helpers for Ray nodes and run directories (`RayNode`, `free_port`,
+`read_metrics`); conftest.py builds its `ray_head` fixture from `RayNode` and re-exports the others."""
 
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ FAST_FAILURE_DETECTION = {"RAY_health_check_initial_delay_ms": "1000", "RAY_heal
 
 
 def free_port() -> int:
+    """A TCP port free on loopback now (the OS's choice)."""
     import socket
 
     with socket.socket() as s:
@@ -29,20 +33,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def token_env() -> dict[str, str]:
-    env = {**os.environ, "RAY_AUTH_MODE": "token", **FAST_FAILURE_DETECTION}
+def token_env(fast_failure_detection: bool = True) -> dict[str, str]:
+    env = {**os.environ, "RAY_AUTH_MODE": "token", **(FAST_FAILURE_DETECTION if fast_failure_detection else {})}
     env.pop("RAY_ADDRESS", None)
     subprocess.run([RAY, "get-auth-token", "--generate"], env=env, capture_output=True, check=False)
     return env
 
 
 class RayNode:
-    """`ray start --block` in its own session: a head (address None) or a worker joining `address`."""
+    """`ray start --block` in its own session: a head (address None) or a worker joining `address`.
 
-    def __init__(self, ip: str, num_cpus: int, address: Optional[str] = None, dashboard: bool = False):
+    `fast_failure_detection`: the GCS declares a lost node dead within ~3 s (the multi-node tests kill
+    nodes); off, Ray's own defaults, kinder to a loaded machine (the single head most tests share).
+    Ray rewrites 127.0.0.1 to the host's address: give each node another loopback IP.
+    """
+
+    def __init__(self, ip: str, num_cpus: int, address: Optional[str] = None, dashboard: bool = False,
+                 fast_failure_detection: bool = True):
         self.ip = ip
         self.temp_dir = tempfile.mkdtemp(prefix="rlp-mn-", dir="/tmp")  # short: unix socket paths are limited
-        self.env = token_env()
+        self.env = token_env(fast_failure_detection)
         cmd = [RAY, "start", "--block", f"--node-ip-address={ip}", f"--num-cpus={num_cpus}", "--num-gpus=0",
                f"--temp-dir={self.temp_dir}", "--disable-usage-stats",
                # The agent's HTTP port is fixed (52365) by default: a second Ray on the host would take it.
@@ -132,6 +142,7 @@ def wait_for_nodes(address: str, env: dict[str, str], count: int, timeout: float
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
+    """The rows of a run's metrics.jsonl; none while the run has not written the file yet."""
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         return []

@@ -5,6 +5,7 @@ Each case runs the real CLI in its own process; none of them gets as far as star
 
 import hashlib
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,17 @@ import pytest
 from conftest import ROOT, assert_user_error, run_cli
 
 DEFAULT = ROOT / "experiments" / "cartpole_ppo.yaml"
+# Requests one bigger than this machine, whatever its size: a private local instance gets every CPU and GPU.
+TOO_MANY_RUNNERS = len(os.sched_getaffinity(0)) + 1  # the main process takes a CPU too
+
+
+def gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+GPUS = gpu_count()
 
 
 def tree_digest(path: Path) -> str:
@@ -55,8 +67,11 @@ CASES = {
     "unknown env id": (["--set", "env=CartPol-v1"], ["unknown env id 'CartPol-v1'", "CartPole-v1"]),
     "unknown hyper-parameter": (["--set", "training.lrr=0.1"], ["training.lrr", "'lr'"]),
     "unknown rllib pass-through": (["--set", "rllib.env_runner={num_env_runners: 1}"], ["rllib.env_runner", "env_runners"]),
-    "more GPUs than exist": (["--set", "hardware.gpus_per_learner=1"], ["GPU"]),
-    "more CPUs than exist": (["--set", "scale.env_runners=64", "--profile", "laptop"], ["CPU", "64"]),
+    "more GPUs than exist": (["--set", "hardware.gpus_per_learner=1"] if GPUS == 0 else  # the learner in the main process
+                             ["--set", f"scale.learners={GPUS + 1}", "--set", "hardware.gpus_per_learner=1"],
+                             [f"needs {GPUS + 1} GPUs", f"cluster has {GPUS}"]),
+    "more CPUs than exist": (["--set", f"scale.env_runners={TOO_MANY_RUNNERS}", "--profile", "laptop"],
+                             [f"needs {TOO_MANY_RUNNERS + 1} CPUs", f"{TOO_MANY_RUNNERS} actors x 1"]),
     "bad --set": (["--set", "training.lr"], ["bad --set", "KEY=VALUE"]),
     "bad --set value": (["--set", "training.lr=[1"], ["bad --set", "YAML"]),
     "unknown profile": (["--profile", "supercomputer"], ["unknown profile 'supercomputer'", "laptop"]),

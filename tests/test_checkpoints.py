@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from rlplatform.checkpoints import CheckpointManager, latest_checkpoint, list_checkpoints
+from rlplatform.run.checkpoints import CheckpointManager, latest_checkpoint, list_checkpoints
 from rlplatform.errors import UserError
 
 

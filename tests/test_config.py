@@ -4,9 +4,9 @@ from pathlib import Path
 
 import pytest
 
-from rlplatform.config import parse_override
+from rlplatform.config.files import parse_override
 from rlplatform.errors import UserError
-from rlplatform.experiment import resolve_experiment
+from rlplatform.config.experiment import resolve_experiment
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -34,3 +34,31 @@ def test_profile_overlays_scale_and_hardware_and_set_wins():
 def test_bad_override_is_refused():
     with pytest.raises(UserError, match="bad --set"):
         parse_override("training.lr")
+
+
+def test_speedups_is_one_switch_settable_with_set():
+    assert resolve_experiment(None).config.speedups is True
+    assert resolve_experiment(None, ["speedups=false"]).config.speedups is False
+
+
+def test_run_configs_with_the_old_sampler_and_update_keys_still_load():
+    from rlplatform.config.schema import validate
+
+    assert validate({"scale": {"sampler": "rllib", "update": "lean", "env_runners": 2}}).speedups is False
+    old = validate({"scale": {"sampler": "lean", "update": "lean"}})
+    assert old.speedups is True and "sampler" not in old.scale.model_dump()
+
+
+def test_unknown_key_names_the_closest_known_one():
+    from rlplatform.config.schema import validate
+
+    with pytest.raises(UserError, match=r"unknown key 'scale.env_runner' \(did you mean 'env_runners'\?\)"):
+        validate({"scale": {"env_runner": 2}})
+
+
+def test_the_default_experiment_and_the_profiles_are_found_from_any_directory(tmp_path, monkeypatch):
+    """`python -m rlplatform train` run outside the project: the installed package finds its experiments."""
+    monkeypatch.chdir(tmp_path)
+    resolved = resolve_experiment(None, profile="workstation-1gpu")
+    assert resolved.source.resolve() == (ROOT / "experiments" / "cartpole_ppo.yaml").resolve()
+    assert resolved.config.hardware.gpus_per_learner == 1  # the profile was found too

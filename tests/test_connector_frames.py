@@ -6,7 +6,7 @@ import gymnasium as gym
 from ray.rllib.algorithms.ppo import PPOConfig
 from ray.rllib.connectors import connector_v2
 
-from rlplatform import connector_frames
+from rlplatform.internals import connector_frames
 
 
 def pipelines():

@@ -44,6 +44,7 @@ def instructions(path: Path) -> list[tuple[str, str]]:
     return out
 
 
+@pytest.mark.cluster  # docker tooling (hadolint); the checks below read the files only
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
 def test_hadolint_clean(dockerfile: Path, tmp_path: Path) -> None:
     config = tmp_path / "hadolint.yaml"  # ours only: no user or project config can relax the rules

@@ -2,7 +2,7 @@
 
 import pytest
 
-from rlplatform.env_ids import make_env, runner_env_id
+from rlplatform.config.env_ids import make_env, runner_env_id
 from rlplatform.errors import UserError
 
 
@@ -11,11 +11,29 @@ def test_gymnasium_id_is_passed_through():
 
 
 def test_own_ids_travel_with_their_package_so_remote_runners_import_it():
-    assert runner_env_id("rlplatform/CostlySim-v0") == "envs:rlplatform/CostlySim-v0"
+    assert runner_env_id("rlplatform/CostlySim-v0") == "rlplatform_envs:rlplatform/CostlySim-v0"
 
 
 def test_module_colon_id_is_kept():
-    assert runner_env_id("envs:rlplatform/CostlySim-v0") == "envs:rlplatform/CostlySim-v0"
+    assert runner_env_id("rlplatform_envs:rlplatform/CostlySim-v0") == "rlplatform_envs:rlplatform/CostlySim-v0"
+    assert runner_env_id("gymnasium.envs.classic_control:CartPole-v1") == "gymnasium.envs.classic_control:CartPole-v1"
+
+
+def test_ids_written_with_the_old_package_name_still_resolve():
+    # Configs written before envs/ was installed as rlplatform_envs name the package `envs`.
+    assert runner_env_id("envs:rlplatform/CostlySim-v0") == "rlplatform_envs:rlplatform/CostlySim-v0"
+
+
+def test_our_envs_are_not_installed_as_a_global_envs_package():
+    import importlib.util
+    import subprocess
+    import sys
+
+    assert importlib.util.find_spec("rlplatform_envs") is not None
+    # Outside the project's root (where the folder itself is on sys.path), `envs` is nobody's.
+    out = subprocess.run([sys.executable, "-c", "import importlib.util; print(importlib.util.find_spec('envs'))"],
+                         capture_output=True, text=True, cwd="/", check=True)
+    assert out.stdout.strip() == "None", out.stdout
 
 
 def test_unknown_module_and_atari_without_prefix_are_explained():

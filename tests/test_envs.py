@@ -1,12 +1,9 @@
 """Our envs: `envs list`, `envs check` on each, a short training run of each env's experiment
 file with remote env runners, multi-agent metrics per policy, and fault injection."""
 
-import json
-from pathlib import Path
-
 import pytest
 
-from conftest import ROOT, only_run_dir, run_cli
+from conftest import ROOT, only_run_dir, read_metrics, run_cli
 
 CHECKS = {
     "rlplatform/CostlySim-v0": "{work_ms: 0.1}",
@@ -19,10 +16,6 @@ CHECKS = {
 QUICK = ["--set", "stop.iterations=1", "--set", "stop.return_mean=null", "--set", "checkpoint.every=1"]
 
 
-def read_metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 def test_envs_list_shows_ours_and_the_suites():
     result = run_cli("envs", "list")
     assert result.returncode == 0, result.stderr
@@ -32,6 +25,7 @@ def test_envs_list_shows_ours_and_the_suites():
         assert suite in result.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("env_id", list(CHECKS))
 def test_every_env_passes_envs_check(env_id, ray_head):
     result = run_cli("envs", "check", env_id, "--env-config", CHECKS[env_id], "--steps", "500", "--address", ray_head.address)
@@ -45,6 +39,7 @@ def test_envs_check_refuses_an_env_that_cannot_be_built():
     assert result.returncode == 2 and "cannot be built" in result.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("experiment,extra", [
     ("pixel_catch_ppo.yaml", ["--set", "training.train_batch_size_per_learner=256", "--set", "training.minibatch_size=64"]),
     ("costly_sim_ppo.yaml", ["--set", "training.train_batch_size_per_learner=400"]),
@@ -60,6 +55,7 @@ def test_env_experiment_trains_with_remote_runners(experiment, extra, ray_head, 
     assert last["env_steps"] > 0 and last["faults/healthy_env_runners"] >= 1
 
 
+@pytest.mark.slow
 def test_multi_agent_run_reports_per_policy_metrics_and_its_checkpoint_evaluates(ray_head, runs):
     result = run_cli("train", ROOT / "experiments" / "pursuit_ppo.yaml", "--address", ray_head.address, "--runs-dir", runs,
                      *QUICK, "--set", "training.train_batch_size_per_learner=500", timeout=300)
@@ -77,6 +73,7 @@ def test_multi_agent_run_reports_per_policy_metrics_and_its_checkpoint_evaluates
     assert "policy pursuer: return" in evaluated.stdout and "policy evader: return" in evaluated.stdout
 
 
+@pytest.mark.slow
 def test_fault_injection_run_finishes_despite_crashes(ray_head, runs):
     """Runner processes die (os._exit) mid-sampling; RLlib restarts them and the run still finishes."""
     result = run_cli("train", ROOT / "experiments" / "cartpole_faults_ppo.yaml", "--address", ray_head.address,

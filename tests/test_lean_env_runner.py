@@ -8,25 +8,24 @@ import pytest
 import torch
 
 from conftest import ROOT
-from rlplatform.experiment import resolve_experiment
-from rlplatform.rllib_adapter import build_algorithm_config
+from rlplatform.config.experiment import resolve_experiment
+from rlplatform.adapter.algorithm_config import build_algorithm_config
 
 
 def runner(experiment: str = "cartpole_ppo", *overrides: str, cls=None):
-    from ray.rllib.env.single_agent_env_runner import SingleAgentEnvRunner
 
-    from rlplatform.lean_env_runner import LeanEnvRunner
+    from rlplatform.internals.lean_env_runner import LeanEnvRunner
 
     config = resolve_experiment(ROOT / "experiments" / f"{experiment}.yaml", list(overrides), "laptop").config
     return (cls or LeanEnvRunner)(config=build_algorithm_config(config), worker_index=1, num_workers=1)
 
 
 def test_the_experiments_use_it():
-    from rlplatform.lean_env_runner import LeanEnvRunner
+    from rlplatform.internals.lean_env_runner import LeanEnvRunner
 
     config = resolve_experiment(None).config
     assert build_algorithm_config(config).env_runner_cls is LeanEnvRunner
-    rllib = resolve_experiment(None, ["scale.sampler=rllib"]).config
+    rllib = resolve_experiment(None, ["speedups=false"]).config
     assert build_algorithm_config(rllib).env_runner_cls is None
 
 
@@ -111,7 +110,7 @@ def test_episode_callbacks_run_where_someone_listens():
 
     from ray.rllib.callbacks.callbacks import RLlibCallback
 
-    from rlplatform.lean_env_runner import LeanEnvRunner
+    from rlplatform.internals.lean_env_runner import LeanEnvRunner
 
     seen = Counter()
 

@@ -12,8 +12,8 @@ import torch
 from ray.rllib.core.learner.torch.torch_learner import TorchLearner
 
 from conftest import ROOT
-from rlplatform.experiment import resolve_experiment
-from rlplatform.rllib_adapter import build_algorithm_config
+from rlplatform.config.experiment import resolve_experiment
+from rlplatform.adapter.algorithm_config import build_algorithm_config
 
 
 def algo_config(*overrides: str, experiment: str = "cartpole_ppo"):
@@ -30,7 +30,7 @@ def learner(*overrides: str):
 
 @pytest.fixture(scope="module")
 def episodes():
-    from rlplatform.lean_env_runner import LeanEnvRunner
+    from rlplatform.internals.lean_env_runner import LeanEnvRunner
 
     runner = LeanEnvRunner(config=algo_config("scale.envs_per_runner=4"), worker_index=1, num_workers=1)
     return runner.sample(num_timesteps=400)
@@ -43,15 +43,15 @@ def weights(learner) -> dict[str, torch.Tensor]:
 def test_the_experiments_use_it():
     from ray.rllib.algorithms.ppo.torch.ppo_torch_learner import PPOTorchLearner
 
-    from rlplatform.lean_learner import LeanPPOTorchLearner
+    from rlplatform.internals.lean_learner import LeanPPOTorchLearner
 
     assert algo_config().learner_class is LeanPPOTorchLearner
-    assert algo_config("scale.update=rllib").learner_class is PPOTorchLearner
+    assert algo_config("speedups=false").learner_class is PPOTorchLearner
     assert "Lean" not in algo_config(experiment="cartpole_dqn").learner_class.__name__
 
 
 def test_it_uses_fused_adam():
-    from rlplatform.lean_learner import EagerAdam
+    from rlplatform.internals.lean_learner import EagerAdam
 
     lean = learner()
     (optimizer,) = lean._named_optimizers.values()
@@ -60,7 +60,7 @@ def test_it_uses_fused_adam():
 
 
 def test_eager_adam_steps_saves_and_loads_as_torch_adam():
-    from rlplatform.lean_learner import EagerAdam
+    from rlplatform.internals.lean_learner import EagerAdam
 
     torch.manual_seed(0)
     start = [torch.randn(5, 3), torch.randn(3)]
@@ -99,7 +99,7 @@ def test_building_and_updating_imports_no_torch_compiler():
 
 
 def test_same_update_as_rllib(episodes):
-    lean, plain = learner(), learner("scale.update=rllib")
+    lean, plain = learner(), learner("speedups=false")
     before = weights(plain)
     assert all(torch.equal(before[k], v) for k, v in weights(lean).items())
     for each in (lean, plain):  # the learner connector edits episodes in place: each gets its own
@@ -111,7 +111,7 @@ def test_same_update_as_rllib(episodes):
 
 
 def test_non_finite_gradients_take_rllibs_path():
-    lean, plain = learner(), learner("scale.update=rllib")
+    lean, plain = learner(), learner("speedups=false")
     for each in (lean, plain):
         grads = {ref: torch.full_like(param, 0.1) for ref, param in each._params.items()}
         first = next(iter(grads))
@@ -149,7 +149,7 @@ def test_ppo_loss_gradients_and_metrics_are_rllibs(episodes):
             loss = loss_fn(module_id=module_id, config=seen["config"], batch=batch, fwd_out=fwd_out)
             lean.log_last_minibatch_stats()  # the lean loss logs its statistics once per update
             grads = torch.autograd.grad(loss, params)
-            logged = {k: float(v) for k, v in lean.metrics.peek(module_id).items() if not isinstance(v, dict)}
+            logged = {k: float(v.detach() if torch.is_tensor(v) else v) for k, v in lean.metrics.peek(module_id).items() if not isinstance(v, dict)}
             results.append((loss.detach(), grads, logged))
         (loss_a, grads_a, logged_a), (loss_b, grads_b, logged_b) = results
         assert torch.equal(loss_a, loss_b)
@@ -158,7 +158,7 @@ def test_ppo_loss_gradients_and_metrics_are_rllibs(episodes):
 
 
 def test_ppo_with_the_kl_term_takes_rllibs_loss(episodes):
-    lean, plain = learner("training.use_kl_loss=true"), learner("scale.update=rllib", "training.use_kl_loss=true")
+    lean, plain = learner("training.use_kl_loss=true"), learner("speedups=false", "training.use_kl_loss=true")
     for each in (lean, plain):
         each.update(episodes=copy.deepcopy(episodes), timesteps={"num_env_steps_sampled_lifetime": 400}, num_epochs=2, minibatch_size=100)
     for name, value in weights(plain).items():
@@ -203,7 +203,7 @@ def test_each_minibatch_trains_in_training_mode_without_a_walk_per_minibatch(epi
 def test_off_policyness_metric_is_rllibs(episodes):
     from ray.rllib.utils.metrics import DIFF_NUM_GRAD_UPDATES_VS_SAMPLER_POLICY, WEIGHTS_SEQ_NO
 
-    from rlplatform.lean_learner import LeanUpdate
+    from rlplatform.internals.lean_learner import LeanUpdate
 
     lean = learner()
     seen = record_minibatches(lean)
@@ -225,7 +225,7 @@ def test_minibatches_are_rllibs_to_the_bit(episodes):
     import numpy as np
     from ray.rllib.utils.minibatch_utils import MiniBatchCyclicIterator
 
-    from rlplatform.lean_learner import LeanMiniBatchIterator
+    from rlplatform.internals.lean_learner import LeanMiniBatchIterator
 
     lean, built = learner(), []
     own_iterator = lean._create_iterator_if_necessary
@@ -262,7 +262,7 @@ def test_ppo_reports_the_statistics_of_the_updates_last_minibatch(episodes):
 
     def record(**kwargs):  # each minibatch's statistics, taken before its gradient step
         loss = own_loss(**kwargs)
-        per_minibatch.append({k: float(v) for k, v in lean._last_minibatch_stats[kwargs["module_id"]]().items()})
+        per_minibatch.append({k: float(v.detach()) for k, v in lean._last_minibatch_stats[kwargs["module_id"]]().items()})
         batches.append({kwargs["module_id"]: kwargs["batch"]})
         return loss
 

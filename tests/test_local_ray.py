@@ -1,7 +1,7 @@
 """The private local Ray instance of a run without --address: what it starts, and that it works.
 
 A local run starts the GCS, the raylet and its agents, but not the dashboard head, the autoscaler
-monitor or the log monitor (cluster._lean_local_node), and with `prestart_workers=False` no idle
+monitor or the log monitor (internals.local_node.lean_local_node), and with `prestart_workers=False` no idle
 workers, and its workers record no task events. The driver chooses the agents' ports, and the
 agents bind them. Token authentication stays on. One real instance for the module.
 """
@@ -11,7 +11,11 @@ import pytest
 import ray
 from ray._private import ray_constants
 
-from rlplatform import cluster
+from rlplatform.config.sizing import Resources
+from rlplatform.infra.local_ray import connect as connect_ray, shutdown as shutdown_ray
+from rlplatform.internals import local_node
+
+pytestmark = pytest.mark.slow  # one real private Ray instance for the module
 
 SKIPPED = (ray_constants.PROCESS_TYPE_DASHBOARD, ray_constants.PROCESS_TYPE_MONITOR, ray_constants.PROCESS_TYPE_LOG_MONITOR)
 
@@ -19,9 +23,9 @@ SKIPPED = (ray_constants.PROCESS_TYPE_DASHBOARD, ray_constants.PROCESS_TYPE_MONI
 @pytest.fixture(scope="module")
 def local_ray():
     node_class = ray._private.node.Node
-    resources = cluster.connect(None, cluster.Resources(2, 0, [{"CPU": 2, "GPU": 0}]), prestart_workers=False)
+    resources = connect_ray(None, Resources(2, 0, [{"CPU": 2, "GPU": 0}]), prestart_workers=False)
     yield resources, node_class
-    cluster.shutdown()
+    shutdown_ray()
 
 
 def _command_lines_of_this_session() -> list[str]:
@@ -74,7 +78,7 @@ def test_tasks_and_actors_run_without_prestarted_workers(local_ray):
 
 
 def test_gcs_memory_does_not_grow_with_actor_calls(local_ray):
-    """Workers record no task events on a private instance (cluster.NO_TASK_EVENTS): measured here,
+    """Workers record no task events on a private instance (internals.local_node.NO_TASK_EVENTS): measured here,
     5000 calls grew the GCS by 19 MB with them, by 0.2 MB without."""
     import time
 
@@ -96,7 +100,7 @@ def test_gcs_memory_does_not_grow_with_actor_calls(local_ray):
 
 
 def test_agents_listen_on_the_ports_the_raylet_was_given(local_ray):
-    """The driver picks the agents' ports so that the raylet need not wait for them (cluster.AGENT_PORT_PARAMS)."""
+    """The driver picks the agents' ports so that the raylet need not wait for them (internals.local_node.AGENT_PORT_PARAMS)."""
     import time
 
     node = ray._private.worker._global_node
@@ -124,7 +128,7 @@ def test_agents_listen_on_the_ports_the_raylet_was_given(local_ray):
 
 
 def test_dashboard_dependency_check_finds_what_rays_own_check_imports(local_ray):
-    """cluster.dashboard_dependency_error finds the packages instead of importing them; both must agree."""
+    """local_node.dashboard_dependency_error finds the packages instead of importing them; both must agree."""
     import ast
     import pathlib
 
@@ -137,9 +141,9 @@ def test_dashboard_dependency_check_finds_what_rays_own_check_imports(local_ray)
             imported |= {alias.name.split(".")[0] for alias in statement.names}
         elif isinstance(statement, ast.ImportFrom):
             imported.add(statement.module.split(".")[0])
-    assert imported == set(cluster.DASHBOARD_PACKAGES)
-    assert cluster.dashboard_dependency_error() is None
+    assert imported == set(local_node.DASHBOARD_PACKAGES)
+    assert local_node.dashboard_dependency_error() is None
     assert ray._private.utils.get_dashboard_dependency_error() is None  # Ray's own check is back after the start
-    assert ray._private.utils.get_dashboard_dependency_error is not cluster.dashboard_dependency_error
+    assert ray._private.utils.get_dashboard_dependency_error is not local_node.dashboard_dependency_error
     agent_lines = [line for line in _command_lines_of_this_session() if "dashboard/agent.py" in line]
     assert agent_lines and all("--minimal" not in line for line in agent_lines)

@@ -54,6 +54,8 @@ def _only_run_dir(runs: Path) -> Path:
     return run_dir
 
 
+@pytest.mark.slow
+@pytest.mark.cluster
 def test_env_runners_spread_over_two_nodes(cluster, tmp_path: Path) -> None:
     head = cluster[0]
     proc = _train(head, tmp_path / "runs", stop_iterations=2)
@@ -66,6 +68,8 @@ def test_env_runners_spread_over_two_nodes(cluster, tmp_path: Path) -> None:
     assert placement["algorithm_node"] in placement["env_runner_nodes"]  # the head holds one runner and the algorithm
 
 
+@pytest.mark.slow
+@pytest.mark.cluster
 def test_job_submission_through_jobs_api(cluster, tmp_path: Path) -> None:
     head = cluster[0]
     runs = tmp_path / "job-runs"
@@ -86,6 +90,8 @@ def test_job_submission_through_jobs_api(cluster, tmp_path: Path) -> None:
     assert list(run_dir.glob("events.out.tfevents.*"))
 
 
+@pytest.mark.slow
+@pytest.mark.cluster
 def test_env_runner_node_lost_and_replaced(cluster, tmp_path: Path) -> None:
     head, worker = cluster[0], cluster[1]
     runs = tmp_path / "runs"
@@ -124,8 +130,8 @@ def test_env_runner_node_lost_and_replaced(cluster, tmp_path: Path) -> None:
 
 LEARNER_CHECK = r"""
 import hashlib, json, ray, torch
-from rlplatform.experiment import resolve_experiment
-from rlplatform.rllib_adapter import build_algorithm_config
+from rlplatform.config.experiment import resolve_experiment
+from rlplatform.adapter.algorithm_config import build_algorithm_config
 ray.init(address="local", num_cpus=3, num_gpus=0, include_dashboard=False, logging_level="ERROR")
 config = resolve_experiment(None, ["scale.learners=2", "scale.env_runners=0", "scale.envs_per_runner=1",
                                    "hardware.cpus_per_learner=1", "hardware.driver_cpus=1",
@@ -148,6 +154,7 @@ algo.stop(); ray.shutdown()
 """
 
 
+@pytest.mark.slow  # one node, a private Ray instance with two learner actors
 def test_two_cpu_learners_hold_identical_weights() -> None:
     result = subprocess.run([sys.executable, "-c", LEARNER_CHECK], cwd=ROOT, capture_output=True, text=True, timeout=300)
     lines = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]

@@ -37,8 +37,11 @@ SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
 TEMPLATE = ROOT / "cluster" / "onprem-loopback.yaml.in"
 HEAD_IP, WORKER_IP = "127.0.0.5", "127.0.0.6"
 
-pytestmark = pytest.mark.skipif(
-    not os.path.exists(SSHD), reason="sshd not installed (apt-get install openssh-server rsync)")
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.cluster,
+    pytest.mark.skipif(not os.path.exists(SSHD), reason="sshd not installed (apt-get install openssh-server rsync)"),
+]
 
 # ProxyCommand for `ray up`: stdin/stdout <-> HOST:PORT (the launcher has no SSH port option).
 RELAY = """\

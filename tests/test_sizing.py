@@ -2,9 +2,9 @@
 
 import pytest
 
-from rlplatform.cluster import Resources, preflight, size_to_cluster
+from rlplatform.config.sizing import Resources, preflight, size_to_cluster
 from rlplatform.errors import UserError
-from rlplatform.experiment import resolve_experiment
+from rlplatform.config.experiment import resolve_experiment
 
 
 def sized(cpus: float, gpus: float, overrides=()):
@@ -62,3 +62,33 @@ def test_preflight_refuses_a_bundle_no_single_node_holds():
     cluster = Resources(8, 2, [{"CPU": 4, "GPU": 0}, {"CPU": 4, "GPU": 0}, {"CPU": 0, "GPU": 2}])
     with pytest.raises(UserError, match="no node can hold"):
         preflight([{"CPU": 1}, {"CPU": 2, "GPU": 1}], cluster)
+
+
+def test_fractional_runner_cpus_fit_more_runners():
+    config = sized(4, 0, ["hardware.cpus_per_env_runner=0.5"])
+    assert config.scale.env_runners == (4 - 1) * 2
+
+
+def test_runners_that_need_no_cpu_are_left_as_the_experiment_says():
+    config = sized(64, 0, ["hardware.cpus_per_env_runner=0", "scale.envs_per_runner=2"])
+    assert config.scale.env_runners == resolve_experiment(None).config.scale.env_runners
+
+
+def test_a_gpu_learner_in_the_main_process_takes_no_cpu_beyond_the_drivers():
+    config = sized(4, 1, ["hardware.cpus_per_learner=2"])  # RLlib gives a GPU learner no CPU of its own
+    assert (config.scale.learners, config.hardware.gpus_per_learner, config.scale.env_runners) == (0, 1, 3)
+
+
+def test_a_machine_too_small_for_the_learners_gets_no_runners():
+    config = sized(2, 0, ["scale.learners=2"])
+    assert config.scale.env_runners == 0  # never negative
+
+
+def test_preflight_message_breaks_the_request_down():
+    cluster = Resources(4, 0, [{"CPU": 4, "GPU": 0}])
+    bundles = [{"CPU": 1}] + [{"CPU": 1}] * 6 + [{"CPU": 2}]
+    with pytest.raises(UserError) as refused:
+        preflight(bundles, cluster)
+    message = str(refused.value)
+    assert "needs 9 CPUs (1 main process + 6 actors x 1 + 1 actors x 2)" in message
+    assert "4 CPUs, 0 GPUs on 1 node(s)" in message and "--profile auto" in message

@@ -24,7 +24,7 @@ def seeded(install: str) -> dict:
 
 
 def test_same_seed_and_deterministic_mode_as_rllib_without_the_compiler():
-    ours = seeded("from rlplatform import torch_seed; torch_seed.install()")
+    ours = seeded("from rlplatform.internals import torch_seed; torch_seed.install()")
     rllibs = seeded("")
     assert rllibs["inductor"] and not ours["inductor"]
     assert ours["deterministic"] and rllibs["deterministic"]

@@ -5,13 +5,15 @@ import json
 import shlex
 import signal
 import subprocess
+import statistics
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, only_run_dir, run_cli
+from conftest import ROOT, only_run_dir, read_metrics, run_cli
+
+pytestmark = pytest.mark.slow  # every test trains, on the module's Ray head or a private local instance
 
 # Only the iteration count stops these runs: an asynchronous algorithm with the lean sampler can pass
 # the experiment's 100k env steps within its first iteration.
@@ -24,10 +26,6 @@ ALGORITHMS = {
     "DQN": ["--set", "training={num_steps_sampled_before_learning_starts: 200}"],
     "SAC": ["--set", "env=Pendulum-v1", "--set", "training={num_steps_sampled_before_learning_starts: 200}"],
 }
-
-
-def read_metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.mark.parametrize("algorithm", list(ALGORITHMS))
@@ -99,8 +97,8 @@ def test_resume_continues_counters_in_the_same_run(ray_head, runs):
 
 def test_ctrl_c_checkpoints_and_exits_0_then_evaluate_records_video(runs, tmp_path):
     """A private local Ray instance (no --address): SIGINT mid-run, then evaluate the checkpoint it left."""
-    cmd = [sys.executable, "-m", "rlplatform", "train", "--runs-dir", str(runs), "--set", "name=sigint",
-           "--set", "stop.iterations=1000", "--set", "checkpoint.every=0", "--set", "training.train_batch_size_per_learner=500"]
+    overrides = ["name=sigint", "stop.iterations=1000", "checkpoint.every=0", "training.train_batch_size_per_learner=500"]
+    cmd = [sys.executable, "-m", "rlplatform", "train", "--runs-dir", str(runs), *(a for o in overrides for a in ("--set", o))]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.time() + 180
@@ -120,27 +118,51 @@ def test_ctrl_c_checkpoints_and_exits_0_then_evaluate_records_video(runs, tmp_pa
     assert proc.returncode == 0, out + err
     assert "SIGINT" in out
     run_dir = metrics.parent
-    # On this 2-core machine --profile auto samples and learns in one process: the driver holds the Algorithm.
-    placement = json.loads((run_dir / "manifest.json").read_text())["placement"]
-    assert placement["algorithm_in"] == "driver" and placement["env_runner_nodes"] == [placement["algorithm_node"]]
-    assert "sampling in the main process" in out
+    # --profile auto sized the run for this machine: on 2 cores without a GPU it samples and learns in one
+    # process, the driver holding the Algorithm; with more cores or a GPU, remote env runners and an actor.
+    from rlplatform.config.experiment import resolve_experiment
+    from rlplatform.config.sizing import local_resources
+    from rlplatform.run.plan import make_plan
+
+    resolved = resolve_experiment(ROOT / "experiments" / "cartpole_ppo.yaml", overrides)
+    expected = make_plan(resolved, local_resources(), joined_cluster=False, resize=True)
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert manifest["bundles"] == expected.bundles
+    placement, runners = manifest["placement"], expected.config.scale.env_runners
+    assert placement["algorithm_in"] == ("driver" if expected.algorithm_in_driver else "actor")
+    if runners == 0:
+        assert placement["env_runner_nodes"] == [placement["algorithm_node"]]
+        assert "sampling in the main process" in out
+    else:
+        assert len(placement["env_runner_nodes"]) == runners
+        assert f"{runners} env runner(s)" in out
     checkpoints = list((run_dir / "checkpoints").glob("checkpoint_*"))
     assert len(checkpoints) == 1 and not list((run_dir / "checkpoints").glob(".partial-*"))
 
     videos = tmp_path / "videos"
     result = run_cli("evaluate", run_dir, "--episodes", "2", "--video", videos, "--json", tmp_path / "eval.json")
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "2 episodes: return" in result.stdout and "±" in result.stdout
     report = json.loads((tmp_path / "eval.json").read_text())
-    assert len(report["returns"]) == 2 and all(r > 0 for r in report["returns"])
+    returns, lengths = report["returns"], report["lengths"]
+    assert len(returns) == len(lengths) == 2
+    # CartPole pays 1 per step and truncates at 500: a return is the episode's length.
+    assert returns == [float(n) for n in lengths] and all(1 <= n <= 500 for n in lengths), report
+    assert (f"2 episodes: return {statistics.mean(returns):.2f} ± {statistics.pstdev(returns):.2f}, "
+            f"length {statistics.mean(lengths):.1f} ± {statistics.pstdev(lengths):.1f}") in result.stdout
     mp4s = sorted(videos.glob("*.mp4"))
+    assert report["videos"] == [str(p) for p in mp4s]
     assert len(mp4s) == 2 and all(p.stat().st_size > 1000 for p in mp4s)
     assert mp4s[0].read_bytes()[4:8] == b"ftyp"  # a real MP4 container
+    # Greedy actions on seeded episodes: the same checkpoint gives the same episodes again, video or not.
+    again = run_cli("evaluate", run_dir, "--episodes", "2", "--json", tmp_path / "again.json")
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert json.loads((tmp_path / "again.json").read_text())["returns"] == returns
 
 
 def test_an_env_that_fails_to_build_in_the_driver_fails_the_run_in_one_line(runs):
+    # Sampling in the main process on any machine (as --profile auto chooses on 2 cores without a GPU).
     result = run_cli("train", "--runs-dir", runs, "--set", "env=rlplatform/CostlySim-v0", "--set", "env_config={work_ms: -1}",
-                     timeout=300)
+                     "--profile", "laptop", "--set", "scale.env_runners=0", timeout=300)
     assert result.returncode == 1, result.stdout + result.stderr
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert errors == ["error: training failed: the algorithm could not be built: work_ms and wait_ms must be >= 0"], result.stderr

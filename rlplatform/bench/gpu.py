@@ -17,7 +17,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from rlplatform import progress
+from rlplatform.run import progress
 from rlplatform.bench.training_runs import (
     add_training_arguments, bench_dir, check_experiment, median, run_training, wall_clock_only, write_json,
 )
@@ -36,7 +36,7 @@ def add_verb(verbs) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rlplatform import cluster
+    from rlplatform.config.sizing import local_resources
 
     if args.minutes <= 0 or not 0 <= args.warmup_minutes < args.minutes:
         raise UserError("--minutes must be > 0 and --warmup-minutes between 0 and --minutes")
@@ -44,11 +44,11 @@ def run(args: argparse.Namespace) -> int:
     args.profile = args.profile or PROFILE
     config = check_experiment(args)
     wants_gpu = config.profile != "auto" and config.hardware.gpus_per_learner > 0  # auto takes a GPU where there is one
-    if wants_gpu and not args.address and cluster.local_resources().gpus < 1:
+    if wants_gpu and not args.address and local_resources().gpus < 1:
         raise UserError("bench gpu needs a GPU: torch sees no CUDA device on this machine (give --address for a GPU "
                         "cluster, or --profile laptop to measure the same learner on the CPU)")
     root = bench_dir(args.output, "gpu", config.name)
-    progress.console.print(f"bench gpu: training {config.name} ({args.profile}) for {args.minutes:g} min")
+    progress.say(f"bench gpu: training {config.name} ({args.profile}) for {args.minutes:g} min")
     run_ = run_training(args, root / "run", wall_clock_only(args.minutes), timeout_s=60 * args.minutes + 600)
     if run_.returncode != 0:
         raise TrainingFailed(run_.failure())
@@ -56,11 +56,11 @@ def run(args: argparse.Namespace) -> int:
     result = {"experiment": config.name, "profile": args.profile, "minutes": args.minutes, "layout": run_.layout,
               "learner_device": learner_device(run_.config), **summary, "run_dir": str(run_.run_dir)}
     path = write_json(root / "gpu.json", result)
-    progress.console.print(
-        f"learner on the {result['learner_device']}: {_fmt(summary['env_steps_trained_per_s'])} env steps trained/s, "
-        f"sampling {_fmt(summary['env_steps_sampled_per_s'])}/s ({result['layout']}), GPU utilisation "
-        f"{_fmt(summary['gpu_util_percent'])} % (medians over {summary['iterations_measured']} iterations after warm-up)")
-    progress.console.print(f"written: {path}")
+    progress.say(
+        f"learner on the {result['learner_device']}: {progress.fmt(summary['env_steps_trained_per_s'], ',.0f')} env steps trained/s, "
+        f"sampling {progress.fmt(summary['env_steps_sampled_per_s'], ',.0f')}/s ({result['layout']}), GPU utilisation "
+        f"{progress.fmt(summary['gpu_util_percent'], ',.0f')} % (medians over {summary['iterations_measured']} iterations after warm-up)")
+    progress.say(f"written: {path}")
     return 0
 
 
@@ -83,10 +83,6 @@ def summarize(metrics: list[dict[str, Any]], warmup_s: float) -> dict[str, Any]:
 
 
 def _preset_path() -> Path:
-    from rlplatform.experiment import PROJECT_ROOT
+    from rlplatform.config.experiment import PROJECT_ROOT
 
     return PRESET if PRESET.is_file() else PROJECT_ROOT / PRESET
-
-
-def _fmt(value) -> str:
-    return "-" if value is None else f"{value:,.0f}"

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from rlplatform import progress
+from rlplatform.run import progress
 from rlplatform.bench.training_runs import (
     add_training_arguments, bench_dir, check_experiment, finish, median, start, train_command, wall_clock_only, write_json,
 )
@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     root = bench_dir(args.output, "soak", config.name)
     # Only the clock stops this run; checkpoints and everything else stay as the experiment has them.
     proc, started = start(train_command(args, root / "run", wall_clock_only(args.minutes)), root / "run")
-    progress.console.print(f"soak: training {config.name} for {args.minutes:g} min, memory every {args.interval:g} s "
+    progress.say(f"soak: training {config.name} for {args.minutes:g} min, memory every {args.interval:g} s "
                            f"(growth measured after {warmup_s / 60:g} min)")
     samples = sample_memory(proc.pid, started, args.interval, poll=proc.poll)
     run_ = finish(proc, started, root / "run", root / "run", timeout_s=120)
@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
     path = write_json(root / "soak.json", result)
     plot(samples, processes, warmup_s, root / "soak.png")
     _print_table(processes, worst)
-    progress.console.print(f"written: {path}, {root / 'soak.png'}")
+    progress.say(f"written: {path}, {root / 'soak.png'}")
     return 0
 
 
@@ -150,9 +150,9 @@ def _print_table(processes: list[dict[str, Any]], worst: Optional[float]) -> Non
                       "-" if p["growth"] is None else f"{p['growth']:+.1%}")
     progress.console.print(table)
     if worst is None:
-        progress.console.print("too few samples after the warm-up to measure growth; run longer or sample more often")
+        progress.say("too few samples after the warm-up to measure growth; run longer or sample more often")
     else:
-        progress.console.print(f"worst growth: {worst:+.1%} ({'within' if worst < GROWTH_TARGET else 'OVER'} the {GROWTH_TARGET:.0%} target)")
+        progress.say(f"worst growth: {worst:+.1%} ({'within' if worst < GROWTH_TARGET else 'OVER'} the {GROWTH_TARGET:.0%} target)")
 
 
 def _mb(value: Optional[float]) -> str:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from typing import Any, Optional
 
-from rlplatform import progress
+from rlplatform.run import progress
 from rlplatform.bench.training_runs import (
     TrainingRun, add_training_arguments, bench_dir, check_experiment, median, run_training, write_json,
 )
@@ -36,19 +36,19 @@ def run(args: argparse.Namespace) -> int:
     rows = []
     for i in range(args.seeds):
         seed = base_seed + i
-        progress.console.print(f"seed {seed}: training {config.name} ...")
+        progress.say(f"seed {seed}: training {config.name} ...")
         run_ = run_training(args, root / f"seed-{seed}", [f"seed={seed}"])
         if run_.returncode != 0:
             raise TrainingFailed(f"seed {seed}: {run_.failure()}")
         rows.append(seed_result(seed, run_))
-        progress.console.print(_row_line(rows[-1]))
+        progress.say(_row_line(rows[-1]))
     summary = summarize(rows)
     result = {"experiment": config.name, "env": config.env, "algorithm": config.algorithm, "target_return": config.stop.return_mean,
               "env_step_limit": config.stop.env_steps, "overrides": args.overrides, "profile": args.profile, "seeds": rows,
               "median": summary}
     path = write_json(root / "solve.json", result)
     _print_table(rows, summary)
-    progress.console.print(f"written: {path}")
+    progress.say(f"written: {path}")
     return 0
 
 
@@ -87,13 +87,9 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Optional[float]]:
     }
 
 
-def _fmt(value: Optional[float], spec: str) -> str:
-    return "-" if value is None else format(value, spec)
-
-
 def _row_line(r: dict[str, Any]) -> str:
     if not r["solved"]:
-        return f"seed {r['seed']}: not solved ({r['stop'] or 'no stop line'}), return {_fmt(r['final_return_mean'], '.1f')}"
+        return f"seed {r['seed']}: not solved ({r['stop'] or 'no stop line'}), return {progress.fmt(r['final_return_mean'], '.1f')}"
     return (f"seed {r['seed']}: solved in {r['time_to_solve_s']:.1f} s, {r['env_steps_to_solve']:,} env steps "
             f"(algorithm built at {r['startup'].get('algorithm_ready_s', 0):.1f} s; layout {r['layout']})")
 
@@ -106,10 +102,10 @@ def _print_table(rows: list[dict[str, Any]], summary: dict[str, Any]) -> None:
         table.add_column(column, justify="right")
     for r in rows:
         s = r["startup"]
-        table.add_row(str(r["seed"]), "yes" if r["solved"] else "no", _fmt(r["time_to_solve_s"], ".1f"),
-                      _fmt(r["env_steps_to_solve"], ","), _fmt(s.get("ray_ready_s"), ".1f"), _fmt(s.get("algorithm_ready_s"), ".1f"),
-                      _fmt(s.get("first_sample_s"), ".1f"), _fmt(r["training_s"], ".1f"))
-    table.add_row("median", f"{summary['solved_seeds']}/{len(rows)}", _fmt(summary["time_to_solve_s"], ".1f"),
-                  _fmt(summary["env_steps_to_solve"], ",.0f"), "", _fmt(summary["startup_algorithm_ready_s"], ".1f"),
-                  _fmt(summary["first_sample_s"], ".1f"), _fmt(summary["training_s"], ".1f"))
+        table.add_row(str(r["seed"]), "yes" if r["solved"] else "no", progress.fmt(r["time_to_solve_s"], ".1f"),
+                      progress.fmt(r["env_steps_to_solve"], ","), progress.fmt(s.get("ray_ready_s"), ".1f"), progress.fmt(s.get("algorithm_ready_s"), ".1f"),
+                      progress.fmt(s.get("first_sample_s"), ".1f"), progress.fmt(r["training_s"], ".1f"))
+    table.add_row("median", f"{summary['solved_seeds']}/{len(rows)}", progress.fmt(summary["time_to_solve_s"], ".1f"),
+                  progress.fmt(summary["env_steps_to_solve"], ",.0f"), "", progress.fmt(summary["startup_algorithm_ready_s"], ".1f"),
+                  progress.fmt(summary["first_sample_s"], ".1f"), progress.fmt(summary["training_s"], ".1f"))
     progress.console.print(table)

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from rlplatform import progress
+from rlplatform.run import progress
 from rlplatform.errors import UserError
 
 LAYOUT = re.compile(r"^(\d+)x(\d+)(?:x(sync|async))?$")
@@ -56,9 +56,11 @@ def add_verb(verbs) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rlplatform import cluster, layout_cache
-    from rlplatform.experiment import resolve_experiment
-    from rlplatform.rllib_adapter import check, is_multi_agent_env
+    from rlplatform.adapter.algorithm_config import check, is_multi_agent_env
+    from rlplatform.config.experiment import resolve_experiment
+    from rlplatform.config.layouts import record as record_layouts
+    from rlplatform.config.sizing import local_resources
+    from rlplatform.infra import local_ray
 
     if args.seconds <= 0:
         raise UserError(f"--seconds must be > 0, not {args.seconds:g}")
@@ -70,22 +72,22 @@ def run(args: argparse.Namespace) -> int:
     args.output.mkdir(parents=True, exist_ok=True)
 
     raw = raw_steps_per_second(base.env, dict(base.env_config), args.seconds)
-    progress.console.print(f"raw limit: {raw:,.0f} env steps/s ({base.env}, {RAW_ENVS} envs in one SyncVectorEnv, one process)")
-    resources = cluster.connect(args.address, None if args.address else cluster.local_resources())
+    progress.say(f"raw limit: {raw:,.0f} env steps/s ({base.env}, {RAW_ENVS} envs in one SyncVectorEnv, one process)")
+    resources = local_ray.connect(args.address, None if args.address else local_resources(), speedups=base.speedups)
     rows: list[dict[str, Any]] = []
     try:
         for layout in layouts:
             cpus = layout.env_runners * base.hardware.cpus_per_env_runner
             if cpus > resources.cpus:
-                progress.console.print(f"{layout}: skipped, needs {cpus:g} CPUs and the cluster has {resources.cpus:g}")
+                progress.say(f"{layout}: skipped, needs {cpus:g} CPUs and the cluster has {resources.cpus:g}")
                 continue
             config = resolve_experiment(args.experiment, [*args.overrides, *_layout_overrides(layout)], "laptop").config
             sps = sampling_steps_per_second(config, args.seconds)
             rows.append({**asdict(layout), "layout": str(layout), "env_steps_per_s": sps,
                          "ratio_to_raw_per_runner": sps / (raw * layout.env_runners)})
-            progress.console.print(f"{layout}: {sps:,.0f} env steps/s ({rows[-1]['ratio_to_raw_per_runner']:.0%} of raw per runner)")
+            progress.say(f"{layout}: {sps:,.0f} env steps/s ({rows[-1]['ratio_to_raw_per_runner']:.0%} of raw per runner)")
     finally:
-        cluster.shutdown()
+        local_ray.shutdown()
     _print_table(rows)
     result = {"env": base.env, "env_config": dict(base.env_config), "algorithm": base.algorithm, "host": platform.node(),
               "cpus": resources.cpus, "raw_env_steps_per_s": raw, "seconds_per_layout": args.seconds, "layouts": rows,
@@ -93,11 +95,11 @@ def run(args: argparse.Namespace) -> int:
     stem = args.output / f"throughput-{_slug(base.env)}"
     stem.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
     plot(result, stem.with_suffix(".png"))
-    progress.console.print(f"written: {stem.with_suffix('.json')}, {stem.with_suffix('.png')}")
+    progress.say(f"written: {stem.with_suffix('.json')}, {stem.with_suffix('.png')}")
     if rows:
-        cache = layout_cache.record(resources.cpus, resources.gpus, base.env, dict(base.env_config), rows, stem.with_suffix(".json"))
+        cache = record_layouts(resources.cpus, resources.gpus, base.env, dict(base.env_config), rows, stem.with_suffix(".json"))
         best = max(rows, key=lambda r: r["env_steps_per_s"] / r["env_runners"])
-        progress.console.print(f"best per runner: {best['layout']}; `train --profile auto` on this machine uses its envs per "
+        progress.say(f"best per runner: {best['layout']}; `train --profile auto` on this machine uses its envs per "
                                f"runner and vectorisation for {base.env} where an experiment leaves them open (cache: {cache})")
     return 0
 
@@ -115,7 +117,7 @@ def raw_steps_per_second(env: str, env_config: dict[str, Any], seconds: float) -
     """Random actions through a SyncVectorEnv in this process: what the env itself can do on one core."""
     import gymnasium as gym
 
-    from rlplatform.env_ids import runner_env_id
+    from rlplatform.config.env_ids import runner_env_id
 
     vec = gym.make_vec(runner_env_id(env), num_envs=RAW_ENVS, vectorization_mode="sync", **env_config)
     try:
@@ -141,7 +143,7 @@ def sampling_steps_per_second(config, seconds: float) -> float:
     """
     import ray
 
-    from rlplatform.rllib_adapter import remote_env_runners
+    from rlplatform.adapter.env_runners import remote_env_runners
 
     runners = remote_env_runners(config, config.scale.env_runners)
     try:

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from rlplatform.config import read_yaml
-from rlplatform.rundir import CONFIG_FILE
+from rlplatform.config.files import read_yaml
+from rlplatform.run.run_dir import CONFIG_FILE
 
 
 def add_training_arguments(q, default_experiment: str = "experiments/cartpole_ppo.yaml") -> None:
@@ -76,8 +76,8 @@ def wall_clock_only(minutes: float) -> list[str]:
 
 def check_experiment(args) -> Any:
     """Resolve the experiment here first, so bad input fails before any training process starts."""
-    from rlplatform.experiment import resolve_experiment
-    from rlplatform.rllib_adapter import check
+    from rlplatform.config.experiment import resolve_experiment
+    from rlplatform.adapter.algorithm_config import check
 
     config = resolve_experiment(args.experiment, args.overrides, args.profile).config
     check(config)

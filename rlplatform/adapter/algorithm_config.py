@@ -1,0 +1,254 @@
+"""Our ExperimentConfig -> RLlib's AlgorithmConfig: the only place that builds one.
+
+Any RLlib option still passes through the experiment's `rllib:` section (method -> keyword
+arguments), checked against the setters' signatures. The speed-ups (`rlplatform.internals`) are
+plugged in here, by `internals.enabled(config.speedups)`, and nowhere else.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import functools
+import importlib
+import inspect
+import logging
+from typing import Any, Callable, Optional
+
+from rlplatform import internals
+from rlplatform.config.env_ids import runner_env_id
+from rlplatform.config.schema import ExperimentConfig, ModelSection
+from rlplatform.errors import UserError, did_you_mean
+
+_CONFIG_CLASSES = {
+    "PPO": ("ray.rllib.algorithms.ppo", "PPOConfig"),
+    "APPO": ("ray.rllib.algorithms.appo", "APPOConfig"),
+    "IMPALA": ("ray.rllib.algorithms.impala", "IMPALAConfig"),
+    "DQN": ("ray.rllib.algorithms.dqn", "DQNConfig"),
+    "SAC": ("ray.rllib.algorithms.sac", "SACConfig"),
+}
+# Friendly spellings of RLlib's training kwargs.
+_TRAINING_ALIASES = {"lambda": "lambda_", "batch_size": "train_batch_size_per_learner"}
+_PLACEMENT = {"pack": "PACK", "spread": "SPREAD", "strict_pack": "STRICT_PACK", "strict_spread": "STRICT_SPREAD"}
+EPISODE_RETURNS = "rlp_episode_returns"
+EPISODE_LENGTHS = "rlp_episode_lengths"
+
+
+def config_class(algorithm: str):
+    module_name, class_name = _CONFIG_CLASSES[algorithm]
+    cls = getattr(importlib.import_module(module_name), class_name)
+    quiet_rllib_logs()  # after the import: RLlib sets its loggers' levels when it loads
+    return cls
+
+
+def _method_parameters(cls, method: str) -> set[str]:
+    """Keyword names a config setter takes, following `**kwargs` up the class hierarchy."""
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        fn = klass.__dict__.get(method)
+        if fn is None:
+            continue
+        params = inspect.signature(fn).parameters.values()
+        names.update(p.name for p in params if p.kind is p.KEYWORD_ONLY)
+        if not any(p.kind is p.VAR_KEYWORD for p in params):
+            break
+    return names
+
+
+def training_parameters(algorithm: str) -> set[str]:
+    return _method_parameters(config_class(algorithm), "training")
+
+
+def _training_kwargs(config: ExperimentConfig) -> dict[str, Any]:
+    return {_TRAINING_ALIASES.get(k, k): v for k, v in config.training.items()}
+
+
+def check(config: ExperimentConfig) -> str:
+    """Validate what only RLlib can tell (hyper-parameter names, pass-through options, env id).
+
+    Returns the env id to hand to env runners. Raises UserError; starts no Ray.
+    """
+    cls = config_class(config.algorithm)
+    known = training_parameters(config.algorithm)
+    for key in _training_kwargs(config):
+        if key not in known:
+            raise UserError(f"training.{key}: not a {config.algorithm} hyper-parameter{did_you_mean(key, known)}")
+    for method, kwargs in config.rllib.items():
+        if method.startswith("_") or not callable(getattr(cls, method, None)):
+            setters = [m for m in dir(cls) if not m.startswith("_")]
+            raise UserError(f"rllib.{method}: AlgorithmConfig has no method {method!r}{did_you_mean(method, setters)}")
+        if not isinstance(kwargs, dict):
+            raise UserError(f"rllib.{method}: must be a mapping of keyword arguments, not {type(kwargs).__name__}")
+        accepted = _method_parameters(cls, method)
+        for key in kwargs:
+            if key not in accepted:
+                raise UserError(f"rllib.{method}.{key}: not an argument of {method}(){did_you_mean(key, accepted)}")
+    env_id = runner_env_id(config.env)
+    if is_multi_agent_env(config.env) and config.multi_agent is None:
+        raise UserError(f"env {config.env!r} is multi-agent: add a multi_agent section (policies, mapping)")
+    return env_id
+
+
+def is_multi_agent_env(env: str) -> bool:
+    from rlplatform_envs import MULTI_AGENT
+
+    return env.rpartition(":")[2] in MULTI_AGENT
+
+
+class PolicyMapping:
+    """RLlib's policy_mapping_fn from our `multi_agent.mapping`: the first matching agent-id pattern wins."""
+
+    def __init__(self, mapping: dict[str, str]):
+        self.mapping = dict(mapping)
+
+    def __call__(self, agent_id: Any, episode: Any = None, **_: Any) -> str:
+        for pattern, policy in self.mapping.items():
+            if fnmatch.fnmatchcase(str(agent_id), pattern):
+                return policy
+        raise ValueError(f"agent {agent_id!r} matches no pattern of multi_agent.mapping {list(self.mapping)}")
+
+
+def _multi_agent(algo_config, config: ExperimentConfig) -> None:
+    from ray.rllib.core.rl_module.multi_rl_module import MultiRLModuleSpec
+    from ray.rllib.core.rl_module.rl_module import RLModuleSpec
+
+    ma = config.multi_agent
+    algo_config.multi_agent(
+        policies=set(ma.policies),
+        policy_mapping_fn=PolicyMapping(ma.mapping),
+        policies_to_train=list(ma.train) if ma.train is not None else None,
+    )
+    specs = {name: RLModuleSpec(model_config=model_config(config, policy.model)) for name, policy in ma.policies.items()}
+    algo_config.rl_module(rl_module_spec=MultiRLModuleSpec(rl_module_specs=specs))
+
+
+def record_episode(*, episode, metrics_logger, prev_episode_chunks=(),
+                   chunk_return: Optional[Callable[[Any], float]] = None, **_: Any) -> None:
+    """Every finished episode's return and length, so the driver can keep an exact 100-episode window.
+
+    An episode longer than a rollout fragment arrives in chunks; the earlier ones come separately.
+    `chunk_return` (bound by `episode_recorder`): a chunk's return, RLlib's `get_return` by default.
+    """
+    chunks = [*prev_episode_chunks, episode]
+    returns = (chunk_return(c) if chunk_return else c.get_return() for c in chunks)
+    metrics_logger.log_value(EPISODE_RETURNS, float(sum(returns)), reduce="item_series")
+    metrics_logger.log_value(EPISODE_LENGTHS, int(sum(len(c) for c in chunks)), reduce="item_series")
+
+
+def model_config(config: ExperimentConfig, model: Optional[ModelSection] = None):
+    from ray.rllib.core.rl_module.default_model_config import DefaultModelConfig
+
+    m = model or config.model
+    return DefaultModelConfig(
+        fcnet_hiddens=list(m.hidden),
+        fcnet_activation=m.activation,
+        vf_share_layers=m.vf_share_layers,
+        conv_filters=m.conv_filters,
+        conv_activation=m.conv_activation,
+        use_lstm=m.use_lstm,
+        lstm_cell_size=m.lstm_cell_size,
+        max_seq_len=m.max_seq_len,
+        head_fcnet_hiddens=list(m.head_hidden),
+    )
+
+
+def episode_recorder(speedups: bool) -> Callable[..., None]:
+    """The `on_episode_end` callback; with the speed-ups, returns summed from the reward buffers' data."""
+    if not speedups:
+        return record_episode
+    from rlplatform.internals.episode_stats import chunk_return
+
+    return functools.partial(record_episode, chunk_return=chunk_return)
+
+
+def build_algorithm_config(config: ExperimentConfig, main_process_resources: Optional[dict[str, float]] = None):
+    """Map our schema onto RLlib's AlgorithmConfig (the only place that does)."""
+    env_id = check(config)
+    speedups = internals.enabled(config.speedups)
+    if speedups:
+        internals.install_in_process()  # before the algorithm that this config builds seeds torch and builds connectors
+    scale, hw = config.scale, config.hardware
+    algo_config = (
+        config_class(config.algorithm)()
+        .environment(env_id, env_config=dict(config.env_config))
+        .env_runners(
+            num_env_runners=scale.env_runners,
+            num_envs_per_env_runner=scale.envs_per_runner,
+            gym_env_vectorize_mode=scale.vectorize,
+            rollout_fragment_length=scale.rollout_fragment_length,
+            num_cpus_per_env_runner=hw.cpus_per_env_runner,
+            num_gpus_per_env_runner=hw.gpus_per_env_runner,
+            env_runner_cls=internals.env_runner_class(config) if speedups else None,
+        )
+        .learners(
+            num_learners=scale.learners,
+            num_cpus_per_learner=hw.cpus_per_learner,
+            num_gpus_per_learner=hw.gpus_per_learner,
+            **_learner_class(config, speedups),
+        )
+        .resources(
+            num_cpus_for_main_process=hw.driver_cpus,
+            placement_strategy=_PLACEMENT[scale.placement],
+            custom_resources_for_main_process=dict(main_process_resources or {}),
+        )
+        .training(**_training_kwargs(config))
+        .rl_module(model_config=model_config(config))
+        .callbacks(on_episode_end=episode_recorder(speedups))
+        .debugging(seed=config.seed, log_level="ERROR")
+        # A crashed runner is restarted at once instead of after RLlib's default 60 s pause.
+        .fault_tolerance(restart_failed_env_runners=True, delay_between_env_runner_restarts_s=1.0)
+    )
+    if config.multi_agent is not None:
+        _multi_agent(algo_config, config)
+    if config.evaluation.interval:
+        algo_config.evaluation(
+            evaluation_interval=config.evaluation.interval,
+            evaluation_duration=config.evaluation.episodes,
+            evaluation_duration_unit="episodes",
+            evaluation_config=config_class(config.algorithm).overrides(explore=False),
+        )
+    for method, kwargs in config.rllib.items():
+        getattr(algo_config, method)(**kwargs)
+    try:
+        algo_config.validate()
+    except (ValueError, TypeError) as exc:
+        raise UserError(f"RLlib rejected the configuration: {str(exc).strip().splitlines()[0]}") from None
+    return algo_config
+
+
+def _learner_class(config: ExperimentConfig, speedups: bool) -> dict[str, Any]:
+    learner_class = internals.learner_class(config) if speedups else None
+    return {"learner_class": learner_class} if learner_class else {}  # else RLlib's default learner
+
+
+def resource_bundles(algo_config) -> list[dict[str, float]]:
+    """The placement-group bundles RLlib asks for: [main process] + env runners + eval runners + learners."""
+    factory = algo_config.algo_class.default_resource_request(algo_config)
+    return [{k: float(v) for k, v in bundle.items() if v} for bundle in factory.bundles]
+
+
+# RLlib deprecation messages (logged by `ray._common.deprecation`) that were read and judged: RLlib's own
+# code triggers them and nothing of ours can act on them. Every other deprecation still shows.
+JUDGED_DEPRECATIONS = (
+    # RLModule.__init__ itself builds an RLModuleConfig for old custom models (ray 2.60.0, rl_module.py).
+    "`RLModule(config=[RLModuleConfig object])` has been deprecated",
+)
+
+
+class _JudgedDeprecations(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not any(text in record.getMessage() for text in JUDGED_DEPRECATIONS)
+
+
+def quiet_rllib_logs() -> None:
+    for name in ("ray.rllib", "ray.tune", "ray.train", "ray.util", "ray.data"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    deprecations = logging.getLogger("ray._common.deprecation")
+    if not any(isinstance(f, _JudgedDeprecations) for f in deprecations.filters):
+        deprecations.addFilter(_JudgedDeprecations())
+
+
+def epochs_per_batch(config: ExperimentConfig) -> int:
+    """How often a learner passes over each sampled batch (PPO's num_epochs; 1 for the others)."""
+    return int(_training_kwargs(config).get("num_epochs", getattr(config_class(config.algorithm)(), "num_epochs", 1) or 1))
+
+

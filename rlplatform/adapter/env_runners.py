@@ -1,0 +1,48 @@
+"""Real RLlib env runners outside training: where they run, and building an env inside one."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from rlplatform.adapter.algorithm_config import build_algorithm_config
+from rlplatform.config.schema import ExperimentConfig
+
+
+def env_runner_node_ids(algo) -> list[str]:
+    import ray
+
+    group = algo.env_runner_group
+    if group is None or group.num_remote_env_runners() == 0:
+        return [ray.get_runtime_context().get_node_id()]
+    return group.foreach_env_runner(_node_id, local_env_runner=False)
+
+
+def _node_id(_runner) -> str:
+    import ray
+
+    return ray.get_runtime_context().get_node_id()
+
+
+def remote_env_runners(config: ExperimentConfig, count: int, num_cpus: Optional[float] = None) -> list:
+    """`count` real remote EnvRunner actors built from the experiment, as training builds them (no learner)."""
+    import ray
+    from ray.rllib.env.multi_agent_env_runner import MultiAgentEnvRunner
+    from ray.rllib.env.single_agent_env_runner import SingleAgentEnvRunner
+
+    algo_config = build_algorithm_config(config)
+    runner_cls = algo_config.env_runner_cls or (MultiAgentEnvRunner if config.multi_agent is not None else SingleAgentEnvRunner)
+    actor = ray.remote(num_cpus=config.hardware.cpus_per_env_runner if num_cpus is None else num_cpus)(runner_cls)
+    return [actor.remote(config=algo_config, worker_index=i + 1, num_workers=count) for i in range(count)]
+
+
+def sample_in_remote_env_runner(config: ExperimentConfig, num_timesteps: int = 50) -> dict[str, Any]:
+    """Build the env inside a real remote EnvRunner actor (as training does) and sample random actions."""
+    import ray
+
+    (runner,) = remote_env_runners(config, 1, num_cpus=0)
+    try:
+        episodes = ray.get(runner.sample.remote(num_timesteps=num_timesteps, random_actions=True), timeout=120)
+        node = ray.get(runner.apply.remote(_node_id), timeout=30)
+    finally:
+        ray.kill(runner)
+    return {"episodes": len(episodes), "env_steps": sum(e.env_steps() for e in episodes), "node_id": node}

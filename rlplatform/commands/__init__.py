@@ -1,0 +1,1 @@
+"""The CLI verbs, one module each: `add_parser(subparsers)` and the function the verb runs."""

@@ -1,0 +1,99 @@
+"""`rlplatform train`: resolve, check, size, start Ray, train, log, checkpoint, stop.
+
+Read top to bottom: `run` prepares everything that can fail on bad input before Ray starts
+(`run.plan`), then `run.loop.train_loop` drives the Algorithm (in the driver when a local run is
+one CPU process, else in an actor of the run's placement group: see `run.algorithm_host`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+from typing import Any
+
+from rlplatform import internals
+from rlplatform.config.experiment import ResolvedExperiment, resolve_experiment
+from rlplatform.config.files import apply_override, parse_override, read_yaml, to_yaml
+from rlplatform.config.schema import validate
+from rlplatform.config.sizing import local_resources
+from rlplatform.errors import UserError
+from rlplatform.infra import local_ray
+from rlplatform.run import progress, run_dir as rundir
+from rlplatform.run.loop import train_loop
+from rlplatform.run.plan import Plan, checkpoint_to_resume, make_plan
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("train", help="train an experiment file on Ray RLlib")
+    p.add_argument("experiment", nargs="?", type=Path, help="experiment YAML (default: experiments/cartpole_ppo.yaml)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override any key, e.g. --set training.lr=1e-3 (value parsed as YAML)")
+    p.add_argument("--profile", help="scale/hardware profile: auto (default), laptop, workstation-1gpu, multi-gpu, cluster, or a YAML path")
+    p.add_argument("--address", help="run on an existing Ray cluster (auto or HOST:PORT); default: a private local instance")
+    p.add_argument("--resume", type=Path, metavar="RUN_DIR", help="continue a run from its newest complete checkpoint")
+    p.add_argument("--runs-dir", type=Path, default=Path("runs"), help="root of run directories (default: runs)")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    p.add_argument("--dashboard", action="store_true", help="start TensorBoard on the run beside the training")
+    p.add_argument("--dashboard-port", type=int, default=6006, metavar="PORT")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    resolved = _resolve(args)
+    if not args.resume:
+        rundir.check_writable(args.runs_dir)
+    connected = False
+    try:
+        if args.address:
+            resources = local_ray.connect(args.address)
+            connected = True
+        else:
+            resources = local_resources()
+        plan = make_plan(resolved, resources, joined_cluster=bool(args.address), resize=not args.resume)
+        if args.resume:
+            plan.run_dir = args.resume
+            plan.resume_from = checkpoint_to_resume(args.resume)
+        if args.print_config:
+            print(to_yaml(plan.config), end="")
+            return 0
+        if plan.run_dir is None:
+            plan.run_dir = rundir.new_run_dir(args.runs_dir, plan.config.name)
+        rundir.write_config(plan.run_dir, plan.config)
+        rundir.write_manifest(plan.run_dir, plan.config, _manifest_facts(args, resolved, plan))
+        if args.dashboard:
+            from rlplatform.dashboards import tensorboard
+
+            url = tensorboard.start(plan.run_dir, port=args.dashboard_port)
+            progress.say(f"TensorBoard: {url}")
+        if not connected:
+            local_ray.connect(None, plan.resources, prestart_workers=not plan.algorithm_in_driver,
+                              speedups=plan.config.speedups)
+            connected = True
+        plan.ray_ready_at = time.time()
+        return train_loop(plan)
+    finally:
+        if connected:
+            local_ray.shutdown()
+
+
+def _manifest_facts(args: argparse.Namespace, resolved: ResolvedExperiment, plan: Plan) -> dict[str, Any]:
+    speedups = {"requested": resolved.config.speedups, "active": internals.active(plan.config, not args.address),
+                "ray": internals.ray_version(), "verified_on_ray": internals.VERIFIED_RAY_VERSION}
+    return {"resources": vars(plan.resources), "bundles": plan.bundles, "address": args.address,
+            "layout_from_bench": plan.layout_note, "speedups": speedups,
+            "resumed_from": str(plan.resume_from.path) if plan.resume_from else None}
+
+
+def _resolve(args: argparse.Namespace) -> ResolvedExperiment:
+    if not args.resume:
+        return resolve_experiment(args.experiment, args.overrides, args.profile)
+    if args.experiment is not None or args.profile is not None:
+        raise UserError("--resume takes its config from the run directory; give --set to change it, not an experiment or --profile")
+    config_path = args.resume / rundir.CONFIG_FILE
+    if not args.resume.is_dir():
+        raise UserError(f"run directory not found: {args.resume}")
+    data = read_yaml(config_path, what="run config")
+    for text in args.overrides:
+        apply_override(data, *parse_override(text))
+    return ResolvedExperiment(config=validate(data, source=str(config_path)), source=config_path)

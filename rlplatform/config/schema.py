@@ -1,0 +1,205 @@
+"""The experiment schema: ours, versioned, validated once.
+
+An experiment file is YAML with the sections below. Profiles (``experiments/profiles``)
+overlay ``scale`` and ``hardware``; ``--set a.b=c`` overrides any key last.
+RLlib is not imported here: the adapter maps this schema onto ``AlgorithmConfig``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Union, get_args, get_origin
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from rlplatform.errors import UserError, did_you_mean
+
+SCHEMA_VERSION = 1
+ALGORITHMS = ("PPO", "APPO", "IMPALA", "DQN", "SAC")
+ASYNCHRONOUS_ALGORITHMS = ("APPO", "IMPALA")  # they learn while their env runners sample
+DEFAULT_PROFILE = "auto"
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelSection(Section):
+    hidden: list[int] = Field(default_factory=lambda: [256, 256])
+    activation: Literal["tanh", "relu", "swish", "silu", "elu", "linear"] = "tanh"
+    vf_share_layers: bool = False
+    # CNN: list of [out_channels, kernel, stride] (RLlib's conv_filters); null = RLlib's default for the image size.
+    conv_filters: Optional[list[list[Union[int, list[int]]]]] = None
+    conv_activation: Literal["relu", "tanh", "swish", "silu", "elu", "linear"] = "relu"
+    use_lstm: bool = False
+    lstm_cell_size: int = Field(256, gt=0)
+    max_seq_len: int = Field(20, gt=0)
+    head_hidden: list[int] = Field(default_factory=list)
+
+
+class ScaleSection(Section):
+    env_runners: int = Field(1, ge=0)
+    envs_per_runner: int = Field(1, ge=1)
+    vectorize: Literal["sync", "async"] = "sync"
+    rollout_fragment_length: Union[int, Literal["auto"]] = "auto"
+    learners: int = Field(0, ge=0)
+    placement: Literal["pack", "spread", "strict_pack", "strict_spread"] = "pack"
+
+    @field_validator("rollout_fragment_length")
+    @classmethod
+    def _positive_fragment(cls, value: Union[int, str]) -> Union[int, str]:
+        if isinstance(value, int) and value <= 0:
+            raise ValueError("must be a positive integer or 'auto'")
+        return value
+
+
+class HardwareSection(Section):
+    driver_cpus: float = Field(1, ge=0)
+    cpus_per_env_runner: float = Field(1, ge=0)
+    gpus_per_env_runner: float = Field(0, ge=0)
+    cpus_per_learner: float = Field(1, ge=0)
+    gpus_per_learner: float = Field(0, ge=0)
+
+
+class StopSection(Section):
+    return_mean: Optional[float] = None
+    env_steps: Optional[int] = Field(None, gt=0)
+    iterations: Optional[int] = Field(None, gt=0)
+    wall_time_s: Optional[float] = Field(None, gt=0)
+
+
+class CheckpointSection(Section):
+    every: int = Field(10, ge=0)  # iterations; 0 = only at the end
+    keep_last: int = Field(3, ge=1)
+    keep_best: bool = True
+
+
+class EvaluationSection(Section):
+    interval: int = Field(0, ge=0)  # iterations; 0 = off
+    episodes: int = Field(10, ge=1)
+
+
+class PolicySection(Section):
+    model: Optional[ModelSection] = None  # this policy's network; default: the experiment's `model`
+
+
+class MultiAgentSection(Section):
+    """Which policies exist, which agent each uses (first matching id pattern), which ones train.
+
+    Several agents mapped to one policy share its weights; one policy per agent keeps them apart.
+    """
+
+    policies: dict[str, PolicySection]
+    mapping: dict[str, str]  # agent-id glob pattern -> policy, e.g. {"pursuer_*": pursuer}
+    train: Optional[list[str]] = None  # default: every policy
+
+    @field_validator("policies", mode="before")
+    @classmethod
+    def _names_are_enough(cls, value: Any) -> Any:
+        return {name: {} for name in value} if isinstance(value, list) else value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "MultiAgentSection":
+        if not self.policies:
+            raise ValueError("needs at least one policy")
+        for pattern, policy in self.mapping.items():
+            if policy not in self.policies:
+                raise ValueError(f"mapping {pattern!r} -> {policy!r}: no such policy{did_you_mean(policy, self.policies)}")
+        for policy in self.train or []:
+            if policy not in self.policies:
+                raise ValueError(f"train: no such policy {policy!r}{did_you_mean(policy, self.policies)}")
+        return self
+
+
+class ExperimentConfig(Section):
+    version: Literal[1] = SCHEMA_VERSION
+    name: str = Field("experiment", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+    algorithm: str = "PPO"
+    env: str = "CartPole-v1"
+    env_config: dict[str, Any] = Field(default_factory=dict)
+    profile: str = DEFAULT_PROFILE
+    seed: Optional[int] = 0
+    training: dict[str, Any] = Field(default_factory=dict)
+    model: ModelSection = Field(default_factory=ModelSection)
+    scale: ScaleSection = Field(default_factory=ScaleSection)
+    hardware: HardwareSection = Field(default_factory=HardwareSection)
+    stop: StopSection = Field(default_factory=StopSection)
+    checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
+    evaluation: EvaluationSection = Field(default_factory=EvaluationSection)
+    multi_agent: Optional[MultiAgentSection] = None
+    rllib: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    # The speed-ups that reach into Ray's and RLlib's internals (rlplatform/internals, docs/internals.md);
+    # false: the run is plain RLlib. On a Ray release they were not verified on they switch themselves off.
+    speedups: bool = True
+
+    @model_validator(mode="before")
+    @classmethod
+    def _legacy_speedup_keys(cls, data: Any) -> Any:
+        """Run configs written before `speedups` had `scale.sampler` and `scale.update` (lean | rllib)."""
+        scale = data.get("scale") if isinstance(data, dict) else None
+        if not isinstance(scale, dict) or not {"sampler", "update"} & set(scale):
+            return data
+        legacy = {key: scale[key] for key in ("sampler", "update") if key in scale}
+        plain = "rllib" in legacy.values()
+        data = {**data, "scale": {k: v for k, v in scale.items() if k not in legacy}}
+        data.setdefault("speedups", not plain)
+        return data
+
+    @field_validator("algorithm")
+    @classmethod
+    def _known_algorithm(cls, value: str) -> str:
+        upper = value.upper()
+        if upper not in ALGORITHMS:
+            raise ValueError(f"unknown algorithm {value!r}{did_you_mean(upper, ALGORITHMS)}; known: {', '.join(ALGORITHMS)}")
+        return upper
+
+
+def validate(data: dict[str, Any], source: str = "config") -> ExperimentConfig:
+    try:
+        return ExperimentConfig.model_validate(data)
+    except ValidationError as exc:
+        raise UserError(describe_validation_error(exc, data, source)) from None
+
+
+def describe_validation_error(exc: ValidationError, data: dict[str, Any], source: str) -> str:
+    err = exc.errors()[0]
+    loc = [str(p) for p in err["loc"]]
+    key = ".".join(loc)
+    if err["type"] == "extra_forbidden":
+        section_model = _model_at(loc[:-1])
+        known = list(section_model.model_fields) if section_model else []
+        return f"{source}: unknown key {key!r}{did_you_mean(loc[-1], known)}"
+    value = _value_at(data, loc)
+    msg = err["msg"].removeprefix("Value error, ")
+    shown = f" = {value!r}" if value is not _MISSING else ""
+    return f"{source}: {key}{shown}: {msg}"
+
+
+_MISSING = object()
+
+
+def _value_at(data: Any, loc: list[str]) -> Any:
+    node = data
+    for part in loc:
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return _MISSING
+    return node
+
+
+def _model_at(loc: list[str]) -> Optional[type[BaseModel]]:
+    """The section model at a location such as ["multi_agent", "policies", "p0", "model"]."""
+    annotation: Any = ExperimentConfig
+    for part in loc:
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            field = annotation.model_fields.get(part)
+            annotation = field.annotation if field else None
+        elif get_origin(annotation) is dict:
+            annotation = get_args(annotation)[1]
+        else:
+            return None
+        optional = [a for a in get_args(annotation) if a is not type(None)] if get_origin(annotation) is Union else None
+        annotation = optional[0] if optional and len(optional) == 1 else annotation
+    return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None

@@ -1,0 +1,101 @@
+"""Fit an experiment to a cluster: what the cluster offers, `--profile auto`'s sizing, and the pre-flight
+check that refuses, before anything starts, a request the cluster can never schedule."""
+
+from __future__ import annotations
+
+import math
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+
+from rlplatform.config.schema import ASYNCHRONOUS_ALGORITHMS, ExperimentConfig
+from rlplatform.errors import UserError
+
+
+@dataclass
+class Resources:
+    """What the Ray cluster offers: totals and each node's share."""
+
+    cpus: float
+    gpus: float
+    nodes: list[dict[str, float]] = field(default_factory=list)
+
+    def describe(self) -> str:
+        return f"{self.cpus:g} CPUs, {self.gpus:g} GPUs on {len(self.nodes)} node(s)"
+
+
+def local_resources() -> Resources:
+    """What a private local instance on this machine will have, known before Ray starts."""
+    cpus = float(len(os.sched_getaffinity(0)))
+    gpus = float(_local_gpu_count())
+    return Resources(cpus=cpus, gpus=gpus, nodes=[{"CPU": cpus, "GPU": gpus}])
+
+
+def _local_gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def size_to_cluster(config: ExperimentConfig, resources: Resources, explicit_keys: set[str]) -> ExperimentConfig:
+    """`--profile auto`: a GPU learner when there is a GPU, one learner per GPU when there are
+    several, env runners over the CPUs left (none, sampling in the main process, where only one
+    would fit and the algorithm is synchronous). Keys given with --set are left as they are."""
+    scale = config.scale.model_copy()
+    hw = config.hardware.model_copy()
+
+    def choose(section, key: str, value) -> None:
+        if f"{'scale' if section is scale else 'hardware'}.{key}" not in explicit_keys:
+            setattr(section, key, value)
+
+    gpus = int(resources.gpus)
+    if gpus >= 2:
+        choose(scale, "learners", gpus)
+        choose(hw, "gpus_per_learner", 1)
+    elif gpus == 1:
+        choose(scale, "learners", 0)
+        choose(hw, "gpus_per_learner", 1)
+    learner_cpus = learner_cpu_demand(scale.learners, hw.cpus_per_learner, hw.gpus_per_learner, hw.driver_cpus)
+    free = resources.cpus - learner_cpus
+    if hw.cpus_per_env_runner > 0:
+        runners = max(0, math.floor(free / hw.cpus_per_env_runner + 1e-9))
+        if runners == 1 and scale.learners == 0 and config.algorithm not in ASYNCHRONOUS_ALGORITHMS:
+            # A synchronous algorithm samples, then learns: a single remote runner would wait while the
+            # learner works, and the learner while it samples. Sampling in the main process is as fast
+            # and saves a process start (seconds) and a copy of every batch.
+            runners = 0
+        choose(scale, "env_runners", runners)
+    sized = config.model_copy(update={"scale": scale, "hardware": hw})
+    return ExperimentConfig.model_validate(sized.model_dump())
+
+
+def learner_cpu_demand(learners: int, cpus_per_learner: float, gpus_per_learner: float, driver_cpus: float) -> float:
+    """CPUs taken by the main process and the learners (RLlib's own bundle rule)."""
+    if learners == 0:
+        # The learner lives in the main process; RLlib gives a GPU learner no CPU of its own.
+        return max(driver_cpus, 0 if gpus_per_learner else cpus_per_learner)
+    return driver_cpus + learners * cpus_per_learner
+
+
+def preflight(bundles: list[dict[str, float]], resources: Resources) -> None:
+    """Refuse, with the missing resource named, a request the cluster can never schedule."""
+    for kind, have in (("CPU", resources.cpus), ("GPU", resources.gpus)):
+        need = sum(b.get(kind, 0.0) for b in bundles)
+        if need > have + 1e-9:
+            raise UserError(
+                f"the run needs {need:g} {kind}s ({_breakdown(bundles, kind)}) but the cluster has {have:g} "
+                f"({resources.describe()}); lower scale/hardware or use --profile auto"
+            )
+    for bundle in bundles:
+        if not any(all(node.get(k, 0.0) + 1e-9 >= v for k, v in bundle.items() if k in ("CPU", "GPU")) for node in resources.nodes):
+            raise UserError(f"no node can hold a bundle of {_format_bundle(bundle)} ({resources.describe()})")
+
+
+def _breakdown(bundles: list[dict[str, float]], kind: str) -> str:
+    """`1 main process + 64 actors x 1`: the main process, then the env runners and learners grouped by size."""
+    sizes = Counter(b.get(kind, 0.0) for b in bundles[1:] if b.get(kind, 0.0))
+    return " + ".join([f"{bundles[0].get(kind, 0.0):g} main process"] + [f"{n} actors x {v:g}" for v, n in sizes.items()])
+
+
+def _format_bundle(bundle: dict[str, float]) -> str:
+    return ", ".join(f"{v:g} {k}" for k, v in bundle.items() if k in ("CPU", "GPU"))

@@ -1,0 +1,1 @@
+"""What a person reads: TensorBoard (server, custom-scalars layout, HParams) and PNG reports."""

@@ -1,0 +1,96 @@
+"""Every use of a private Ray, RLlib or torch symbol in the project: one home, one switch, one version gate.
+
+The speed-ups here (what makes the default run fast; docs/performance.md) replace or reach into
+parts of RLlib, Ray and torch that promise nothing across releases. Each is listed in
+docs/internals.md with the test that guards it. They are used when the experiment's `speedups`
+key is true (the default) and the installed Ray is the release they were verified on; on any other
+release they switch themselves off with one warning line and the run is plain RLlib.
+
+Nothing is patched on import: `install_in_process()` patches this process, and is called where an
+algorithm, an env runner or a learner is built.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Optional
+
+VERIFIED_RAY_VERSION = "2.60.0"
+LEAN_LEARNER_ALGORITHMS = ("PPO", "APPO", "IMPALA")
+# name -> what it does (the manifest records the names a run used; docs/internals.md has the details)
+SPEEDUPS = {
+    "local_node": "a private local Ray node without dashboard head, monitor and log monitor; agents' ports chosen up front",
+    "torch_seed": "RLlib's torch seeding without importing torch's compiler",
+    "connector_frames": "connector constructors record their arguments without reading source for every frame",
+    "episode_return": "episode returns summed from the reward buffer's data",
+    "lean_env_runner": "RLlib's default per-step connectors done as a few array operations on the batch",
+    "packed_episodes": "a remote runner's episodes pickled column by column",
+    "lean_learner": "one finiteness check, fused Adam, PPO's loss and minibatches without RLlib's per-minibatch overhead",
+}
+_warned_versions: set[str] = set()
+
+
+def ray_version() -> str:
+    import ray
+
+    return ray.__version__
+
+
+def enabled(requested: bool) -> bool:
+    """The switch behind the version gate; the first time the gate closes it, one warning line on stderr."""
+    if not requested:
+        return False
+    version = ray_version()
+    if version == VERIFIED_RAY_VERSION:
+        return True
+    if version not in _warned_versions:
+        _warned_versions.add(version)
+        print(f"warning: speed-ups off: they were verified on ray {VERIFIED_RAY_VERSION}, this is ray {version}; "
+              "the run goes on as plain RLlib (`--set speedups=false` says so without this warning)", file=sys.stderr)
+    return False
+
+
+def gated(config: Any) -> Any:
+    """The experiment as it will run: `speedups` false where the version gate closes them."""
+    if config.speedups and not enabled(True):
+        return config.model_copy(update={"speedups": False})
+    return config
+
+
+def active(config: Any, local_instance: bool) -> list[str]:
+    """The speed-ups a run of this (gated) experiment uses, for its manifest."""
+    if not config.speedups:
+        return []
+    names = ["torch_seed", "connector_frames", "episode_return"]
+    if local_instance:
+        names.insert(0, "local_node")
+    if config.multi_agent is None:
+        names += ["lean_env_runner", "packed_episodes"]
+    if config.algorithm in LEAN_LEARNER_ALGORITHMS:
+        names.append("lean_learner")
+    return names
+
+
+def install_in_process() -> None:
+    """Patch this process (idempotent): RLlib's torch seeding and connector construction."""
+    from rlplatform.internals import connector_frames, torch_seed
+
+    torch_seed.install()
+    connector_frames.install()
+
+
+def env_runner_class(config: Any) -> Optional[type]:
+    """The lean env runner for single-agent experiments (it falls back to RLlib's path where it does not apply)."""
+    if config.multi_agent is not None:
+        return None
+    from rlplatform.internals.lean_env_runner import LeanEnvRunner
+
+    return LeanEnvRunner
+
+
+def learner_class(config: Any) -> Optional[type]:
+    if config.algorithm not in LEAN_LEARNER_ALGORITHMS:
+        return None
+    from rlplatform.internals.lean_learner import LEAN_LEARNERS
+
+    return LEAN_LEARNERS[config.algorithm]

@@ -1,0 +1,176 @@
+"""The training loop, read top to bottom: build the algorithm where the plan says, then per iteration
+train, log, print, check the stop criteria and checkpoint; signals finish the iteration and checkpoint."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from rlplatform.config.schema import ExperimentConfig
+from rlplatform.errors import TrainingFailed
+from rlplatform.run import progress, run_dir as rundir
+from rlplatform.run.checkpoints import CheckpointManager
+from rlplatform.run.plan import Plan
+
+STALL_TIMEOUT_S = 300.0
+# A process that a shell exec'd keeps the shell's creation time (`bash -c 'pip install ... && python -m
+# rlplatform train'` runs its last command in bash's own process), while Python reaches this package
+# within tens of milliseconds of its start: a creation time older than that by more is the shell's.
+EXEC_GRACE_S = 1.0
+
+
+class StopFlag:
+    """SIGINT/SIGTERM: finish the iteration, checkpoint, exit 0. A second Ctrl-C aborts."""
+
+    def __init__(self) -> None:
+        self.reason: Optional[str] = None
+        self._previous = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def _handle(self, signum, _frame) -> None:
+        if self.reason is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.reason = signal.Signals(signum).name
+        progress.console.print(f"[yellow]{self.reason}: finishing this iteration, then checkpointing[/]")
+
+    def restore(self) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+
+
+def stop_reason(config: ExperimentConfig, m: dict[str, Any], window_full: bool, wall_s: float) -> Optional[str]:
+    stop = config.stop
+    if stop.return_mean is not None and window_full and m.get("return/mean", float("-inf")) >= stop.return_mean:
+        return f"return/mean {m['return/mean']:.2f} >= {stop.return_mean:g}"
+    if stop.env_steps is not None and m["env_steps"] >= stop.env_steps:
+        return f"env steps {m['env_steps']:,} >= {stop.env_steps:,}"
+    if stop.iterations is not None and m["iteration"] >= stop.iterations:
+        return f"iterations {m['iteration']} >= {stop.iterations}"
+    if stop.wall_time_s is not None and wall_s >= stop.wall_time_s:
+        return f"wall time {wall_s:.0f} s >= {stop.wall_time_s:g} s"
+    return None
+
+
+def train_loop(plan: Plan) -> int:
+    from rlplatform.infra.system_monitor import SystemMonitor
+    from rlplatform.run import algorithm_host
+    from rlplatform.run.algorithm_host import HostFailed
+    from rlplatform.run.metrics import EpisodeWindow, RunLogger
+
+    config, run_dir = plan.config, plan.run_dir
+    started = command_start_time()  # wall time counts from the command's start, Ray start-up included
+    progress.print_start(run_dir, config, plan.resources.describe())
+    if plan.layout_note:
+        progress.say(plan.layout_note)
+    host = None
+    try:
+        host = algorithm_host.start(config, plan.bundles, plan.main_process_resources, plan.resources.describe(),
+                                    in_driver=plan.algorithm_in_driver)
+        rundir.record_start(run_dir, "placement", {"algorithm_node": host.call("node_id"), "algorithm_in": host.where,
+                                                   "env_runner_nodes": host.call("env_runner_nodes")})
+        if plan.resume_from:
+            host.call("restore", str(plan.resume_from.path.resolve()))
+    except HostFailed as exc:
+        if host is not None:
+            host.close()
+        raise TrainingFailed(f"the algorithm could not be built: {exc}") from None
+    stop_flag = StopFlag()
+    window, wall_before = EpisodeWindow(), 0.0
+    if plan.resume_from:
+        window = EpisodeWindow.from_state(plan.resume_from.meta.get("episode_window"))
+        wall_before = float(plan.resume_from.meta.get("wall_time_s", 0.0))
+        progress.say(f"resumed from {plan.resume_from.path} (iteration {plan.resume_from.iteration})")
+    checkpoints = CheckpointManager(run_dir / "checkpoints", config.checkpoint.keep_last, config.checkpoint.keep_best)
+    logger = RunLogger(run_dir, config, fresh=plan.resume_from is None)
+    monitor = SystemMonitor(object_store=config.speedups)
+    startup = {"ray_ready_s": (plan.ray_ready_at or started) - started, "algorithm_ready_s": time.time() - started}
+    last: Optional[dict[str, Any]] = None
+    saved: Optional[Path] = None
+    stall = StallGuard()
+    reason = None
+    try:
+        while reason is None:
+            try:
+                m = host.call("train")
+            except HostFailed as exc:
+                raise TrainingFailed(str(exc)) from None
+            window.add(m.pop("episode_returns"), m.pop("episode_lengths"))
+            wall_s = wall_before + time.time() - started
+            m.update(window.summary(), **monitor.sample(), wall_time_s=wall_s, timestamp=time.time())
+            logger.log(m)
+            progress.print_iteration(m, config.scale.env_runners)
+            if last is None:
+                _record_startup(run_dir, startup, m, time.time() - started)
+            last = m
+            stall.update(m)
+            reason = stop_reason(config, m, window.full, wall_s) or stop_flag.reason
+            every = config.checkpoint.every
+            if reason is not None or (every and m["iteration"] % every == 0):
+                saved = checkpoints.save(
+                    lambda path: host.call("save", path),
+                    iteration=m["iteration"], env_steps=m["env_steps"], score=_score(m),
+                    meta={"wall_time_s": wall_s, "episode_window": window.state(), "config": config.model_dump()},
+                )
+    finally:
+        stop_flag.restore()
+        logger.close()
+        monitor.stop()
+        host.close()
+    progress.print_summary(run_dir, reason, last, saved, time.time() - started)
+    return 0
+
+
+def _record_startup(run_dir: Path, startup: dict[str, float], first: dict[str, Any], now_s: float) -> None:
+    """Where the time before training went, from the command's start (read by `bench solve`)."""
+    startup = {**startup, "first_sample_s": startup["algorithm_ready_s"] + (first.get("time/sample_s") or 0.0),
+               "first_iteration_s": now_s}
+    rundir.record_start(run_dir, "startup", startup)
+    progress.say(
+        f"start-up: Ray ready {startup['ray_ready_s']:.1f} s, algorithm built {startup['algorithm_ready_s']:.1f} s, "
+        f"first batch sampled {startup['first_sample_s']:.1f} s after the command started", style="dim")
+
+
+class StallGuard:
+    """Fail a run whose env runners keep dying before they sample anything, instead of looping forever."""
+
+    def __init__(self, timeout_s: float = STALL_TIMEOUT_S):
+        self.timeout_s = timeout_s
+        self._steps = -1
+        self._since = time.time()
+
+    def update(self, m: dict[str, Any]) -> None:
+        if m["env_steps"] > self._steps:
+            self._steps, self._since = m["env_steps"], time.time()
+        elif time.time() - self._since > self.timeout_s:
+            healthy = m.get("faults/healthy_env_runners")
+            raise TrainingFailed(
+                f"no env steps sampled for {self.timeout_s:.0f} s (healthy env runners: {healthy}); "
+                "the env or its runners keep failing - see the worker logs under Ray's session directory"
+            )
+
+
+def command_start_time() -> float:
+    """time.time() when this command started, the interpreter's own start-up included."""
+    import rlplatform
+
+    created = _process_creation_time()
+    return created if rlplatform.IMPORTED_AT - created < EXEC_GRACE_S else rlplatform.IMPORTED_AT
+
+
+def _process_creation_time() -> float:
+    # psutil adds the start tick to /proc/stat's boot time, a whole second: up to 1 s early (0.65 s on
+    # this machine). The process's age on the boot clock is exact to the tick (10 ms).
+    try:
+        start_ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - start_ticks / os.sysconf("SC_CLK_TCK")
+        return time.time() - age
+    except (OSError, AttributeError, ValueError, IndexError):  # no /proc or no boot clock: not Linux
+        import psutil
+
+        return psutil.Process().create_time()
+
+
+def _score(m: dict[str, Any]) -> Optional[float]:
+    return m.get("eval/return_mean", m.get("return/mean"))

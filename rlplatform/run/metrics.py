@@ -1,0 +1,94 @@
+"""A run's metrics: the exact 100-episode window, and the TensorBoard events and metrics.jsonl they go to.
+
+The tag names come from `adapter.results` (RLlib's result dict mapped onto our stable names);
+every curve is logged against env steps sampled.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import deque
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+from rlplatform.adapter.results import ENV_STEPS
+
+RETURN_WINDOW = 100  # episodes in the smoothed return, as in Gym's "solved" criterion
+
+
+class EpisodeWindow:
+    """The last RETURN_WINDOW episodes: an exact moving mean, kept in checkpoints for resume."""
+
+    def __init__(self, returns: Iterable[float] = (), lengths: Iterable[int] = (), episodes_total: int = 0):
+        self.returns: deque[float] = deque(returns, maxlen=RETURN_WINDOW)
+        self.lengths: deque[int] = deque(lengths, maxlen=RETURN_WINDOW)
+        self.episodes_total = episodes_total
+
+    def add(self, returns: list[float], lengths: list[int]) -> None:
+        self.returns.extend(returns)
+        self.lengths.extend(lengths)
+        self.episodes_total += len(returns)
+
+    @property
+    def full(self) -> bool:
+        return len(self.returns) == RETURN_WINDOW
+
+    def summary(self) -> dict[str, float]:
+        if not self.returns:
+            return {"episodes/total": self.episodes_total}
+        return {
+            "return/mean": sum(self.returns) / len(self.returns),
+            "return/min": min(self.returns),
+            "return/max": max(self.returns),
+            "episode/length_mean": sum(self.lengths) / max(1, len(self.lengths)),
+            "episodes/total": self.episodes_total,
+        }
+
+    def state(self) -> dict[str, Any]:
+        return {"returns": list(self.returns), "lengths": list(self.lengths), "episodes_total": self.episodes_total}
+
+    @classmethod
+    def from_state(cls, state: Optional[dict[str, Any]]) -> "EpisodeWindow":
+        return cls(**state) if state else cls()
+
+
+def scalars(metrics: dict[str, Any]) -> dict[str, float]:
+    """The per-iteration numbers that go to TensorBoard and metrics.jsonl."""
+    return {k: float(v) for k, v in metrics.items() if "/" in k and isinstance(v, (int, float))}
+
+
+class RunLogger:
+    """TensorBoard event files and metrics.jsonl in the run directory, both keyed by env steps.
+
+    A fresh run also gets its HParams record at once and its dashboard layout after the first
+    iteration (from the tags it really logs); a resumed run already has both.
+    """
+
+    def __init__(self, run_dir: Path, config=None, fresh: bool = True):
+        from torch.utils.tensorboard import SummaryWriter
+
+        from rlplatform.dashboards import tb_layout
+
+        self._tb_layout = tb_layout
+        self.writer = SummaryWriter(log_dir=str(run_dir), flush_secs=10)
+        self.jsonl = (run_dir / "metrics.jsonl").open("a")
+        self._layout_pending = fresh
+        if fresh and config is not None:
+            tb_layout.write_hparams(self.writer, config)
+
+    def log(self, metrics: dict[str, Any]) -> None:
+        step = int(metrics[ENV_STEPS])
+        values = scalars(metrics)
+        if self._layout_pending:
+            self._tb_layout.write_layout(self.writer, values)
+            self._layout_pending = False
+        for tag, value in values.items():
+            self.writer.add_scalar(tag, value, global_step=step, walltime=metrics.get("timestamp"))
+        self.writer.add_scalar("progress/iteration", metrics["iteration"], global_step=step)
+        record = {"iteration": metrics["iteration"], ENV_STEPS: step, "wall_time_s": metrics.get("wall_time_s"), **values}
+        self.jsonl.write(json.dumps(record) + "\n")
+        self.jsonl.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+        self.jsonl.close()

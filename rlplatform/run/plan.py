@@ -1,0 +1,63 @@
+"""Everything decided about a run before it trains: the sized experiment, the resources and bundles
+it asks for, where the algorithm lives, the checkpoint it resumes from. Bad input fails here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from rlplatform import internals
+from rlplatform.config.experiment import ResolvedExperiment
+from rlplatform.config.schema import ExperimentConfig
+from rlplatform.config.sizing import Resources, preflight, size_to_cluster
+from rlplatform.run.checkpoints import CheckpointInfo, latest_checkpoint
+
+
+@dataclass
+class Plan:
+    """Everything decided before training starts."""
+
+    config: ExperimentConfig
+    resources: Resources
+    bundles: list[dict[str, float]]
+    main_process_resources: dict[str, float] = field(default_factory=dict)
+    resume_from: Optional[CheckpointInfo] = None
+    run_dir: Optional[Path] = None
+    layout_note: Optional[str] = None  # where `--profile auto` took a measured layout from
+    ray_ready_at: Optional[float] = None  # time.time() when Ray was up
+    algorithm_in_driver: bool = False  # see algorithm_host: a local run in one process, without GPUs
+
+
+def make_plan(resolved: ResolvedExperiment, resources: Resources, joined_cluster: bool, resize: bool) -> Plan:
+    from rlplatform.adapter import algorithm_config
+    from rlplatform.config import layouts
+
+    config = internals.gated(resolved.config)  # the version gate decides once, here, for every process of the run
+    algorithm_config.check(config)
+    layout_note = None
+    if config.profile == "auto" and resize:  # a resumed run keeps the size it was started with
+        config = size_to_cluster(config, resources, resolved.explicit_keys)
+        config, layout_note = layouts.apply_best_layout(config, resources.cpus, resources.gpus, resolved.given_keys)
+    main_resources = _driver_node_resource() if joined_cluster else {}
+    bundles = algorithm_config.resource_bundles(algorithm_config.build_algorithm_config(config, main_resources))
+    preflight(bundles, resources)
+    one_cpu_process = len(bundles) == 1 and not bundles[0].get("GPU", 0)  # no runner or learner actors, no GPU
+    return Plan(config=config, resources=resources, bundles=bundles, main_process_resources=main_resources,
+                layout_note=layout_note, algorithm_in_driver=one_cpu_process and not joined_cluster)
+
+
+def _driver_node_resource() -> dict[str, float]:
+    """Pin the algorithm (and its checkpoints) to the driver's node, when the driver is a cluster node."""
+    import ray
+
+    key = f"node:{ray.util.get_node_ip_address()}"
+    return {key: 0.001} if key in ray.cluster_resources() else {}
+
+
+def checkpoint_to_resume(run_dir: Path) -> CheckpointInfo:
+    from rlplatform.adapter.policy import load_inference_module
+
+    info = latest_checkpoint(run_dir)
+    load_inference_module(info.path)  # a torn or corrupt checkpoint fails here, before Ray starts
+    return info

@@ -1,0 +1,96 @@
+"""The run directory: `runs/<experiment>/<timestamp>/` with config, manifest, metrics, events, checkpoints."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+from rlplatform.config.schema import ExperimentConfig
+from rlplatform.config.files import to_yaml
+from rlplatform.errors import UserError
+
+CONFIG_FILE = "config.yaml"
+MANIFEST_FILE = "manifest.json"
+
+
+def check_writable(root: Path) -> None:
+    """Fail before Ray starts if the runs root cannot be created or written."""
+    existing = root
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(f"output directory is not writable: {root}")
+
+
+def new_run_dir(root: Path, experiment: str) -> Path:
+    stamp = dt.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+    base = root / experiment / stamp
+    run_dir, n = base, 1
+    while run_dir.exists():
+        n += 1
+        run_dir = base.with_name(f"{stamp}_{n}")
+    try:
+        run_dir.mkdir(parents=True)
+    except OSError as exc:
+        raise UserError(f"cannot create run directory {run_dir}: {exc.strerror}") from None
+    return run_dir
+
+
+def write_config(run_dir: Path, config: ExperimentConfig) -> None:
+    (run_dir / CONFIG_FILE).write_text(to_yaml(config))
+
+
+def write_manifest(run_dir: Path, config: ExperimentConfig, extra: dict[str, Any]) -> None:
+    manifest = {
+        "command": sys.argv,
+        "cwd": os.getcwd(),
+        "started": dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "host": socket.gethostname(),
+        "platform": platform.platform(),
+        "versions": _versions(),
+        "git_commit": _git_commit(),
+        "seed": config.seed,
+        **extra,
+    }
+    path = run_dir / MANIFEST_FILE
+    if path.exists():  # a resume keeps the first manifest and appends the later start
+        first = json.loads(path.read_text())
+        first.setdefault("resumes", []).append(manifest)
+        manifest = first
+    path.write_text(json.dumps(manifest, indent=1, default=str))
+
+
+def _versions() -> dict[str, Optional[str]]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    found: dict[str, Optional[str]] = {"python": platform.python_version()}
+    for package in ("rlplatform", "ray", "torch", "gymnasium", "numpy"):
+        try:
+            found[package] = version(package)
+        except PackageNotFoundError:
+            found[package] = None
+    return found
+
+
+def _git_commit() -> Optional[str]:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def record_start(run_dir: Path, key: str, value: Any) -> None:
+    """A fact about the latest start of the run (placement, start-up timings) into the manifest."""
+    path = run_dir / MANIFEST_FILE
+    manifest = json.loads(path.read_text())
+    target = manifest["resumes"][-1] if manifest.get("resumes") else manifest
+    target[key] = value
+    path.write_text(json.dumps(manifest, indent=1, default=str))

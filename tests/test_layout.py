@@ -1,0 +1,19 @@
+"""The package layout: every subpackage is installed, envs/ under its own import name."""
+
+import tomllib
+
+from conftest import ROOT
+
+
+def test_pyproject_installs_every_package_of_the_tree():
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    on_disk = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "rlplatform").rglob("__init__.py")}
+    assert on_disk <= set(setuptools["packages"]), on_disk - set(setuptools["packages"])
+    assert setuptools["package-dir"] == {"rlplatform_envs": "envs"} and "rlplatform_envs" in setuptools["packages"]
+    assert "envs" not in setuptools["packages"]
+
+
+def test_the_package_root_holds_only_the_entry_and_the_error_types():
+    # The flat package had cluster.py beside cluster_command.py and envs_command.py beside envs/.
+    top_level = {p.stem for p in (ROOT / "rlplatform").glob("*.py")}
+    assert top_level <= {"__init__", "__main__", "cli", "errors"}, top_level
