@@ -6,7 +6,6 @@ joins a cluster that `ray start` left on the host. Token authentication stays on
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 from pathlib import Path
@@ -39,13 +38,14 @@ def connect(address: Optional[str], resources: Optional[Resources] = None, prest
     common = dict(logging_level=logging.ERROR, log_to_driver=False, configure_logging=True)
     if address is None:
         resources = resources or local_resources()
-        lean = internals.enabled(speedups)
-        if lean:
+        local = dict(address="local", num_cpus=int(resources.cpus), num_gpus=int(resources.gpus), include_dashboard=False)
+        if internals.enabled(speedups):
             from rlplatform.internals import local_node
-        extra = {"_system_config": local_node.system_config(prestart_workers)} if lean else {}
-        with local_node.lean_local_node() if lean else contextlib.nullcontext():
-            ray.init(address="local", num_cpus=int(resources.cpus), num_gpus=int(resources.gpus),
-                     include_dashboard=False, **extra, **common)
+
+            with local_node.lean_local_node():
+                ray.init(**local, **common, _system_config=local_node.system_config(prestart_workers))
+        else:
+            ray.init(**local, **common)
     else:
         try:
             ray.init(address=address, **common)

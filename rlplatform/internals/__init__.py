@@ -17,16 +17,6 @@ from typing import Any, Optional
 
 VERIFIED_RAY_VERSION = "2.60.0"
 LEAN_LEARNER_ALGORITHMS = ("PPO", "APPO", "IMPALA")
-# name -> what it does (the manifest records the names a run used; docs/internals.md has the details)
-SPEEDUPS = {
-    "local_node": "a private local Ray node without dashboard head, monitor and log monitor; agents' ports chosen up front",
-    "torch_seed": "RLlib's torch seeding without importing torch's compiler",
-    "connector_frames": "connector constructors record their arguments without reading source for every frame",
-    "episode_return": "episode returns summed from the reward buffer's data",
-    "lean_env_runner": "RLlib's default per-step connectors done as a few array operations on the batch",
-    "packed_episodes": "a remote runner's episodes pickled column by column",
-    "lean_learner": "one finiteness check, fused Adam, PPO's loss and minibatches without RLlib's per-minibatch overhead",
-}
 _warned_versions: set[str] = set()
 
 
