@@ -36,6 +36,11 @@ def load_inference_module(checkpoint: Path, module_id: Optional[str] = None):
         raise UserError(f"checkpoint {checkpoint} cannot be loaded: {type(exc).__name__}: {exc}") from None
 
 
+def check_loads(checkpoint: Path, module_id: Optional[str] = None) -> None:
+    """Load the named policy (default: the checkpoint's first) to prove the checkpoint usable; UserError if not."""
+    load_inference_module(checkpoint, module_id or next(iter(module_ids(checkpoint)), None))
+
+
 def greedy_actions(module, observations, state=None):
     """Deterministic actions for a batch of observations (and the next RNN state, if any)."""
     import numpy as np

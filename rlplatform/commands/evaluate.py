@@ -14,7 +14,9 @@ from pathlib import Path
 from typing import Optional
 
 from rlplatform.run import progress
-from rlplatform.run.checkpoints import CheckpointInfo, best_checkpoint, list_checkpoints, read_checkpoint
+from rlplatform.run.checkpoints import (
+    CheckpointInfo, best_first, checked, first_usable, list_checkpoints, newest_first, read_checkpoint,
+)
 from rlplatform.config.schema import ExperimentConfig, validate
 from rlplatform.errors import UserError
 from rlplatform.run.run_dir import CONFIG_FILE, check_writable
@@ -32,18 +34,24 @@ def add_parser(subparsers) -> None:
     p.set_defaults(func=run)
 
 
-def find_checkpoint(target: Path, which: str = "best") -> CheckpointInfo:
+def find_checkpoint(target: Path, which: str = "best", policy: Optional[str] = None) -> CheckpointInfo:
+    """A named checkpoint, whole and loadable; or a run directory's best (or latest) checkpoint that
+    verifies and loads, newer or better ones that do not skipped and named."""
     if not target.exists():
         raise UserError(f"no such run directory or checkpoint: {target}")
+
+    def loads(info: CheckpointInfo) -> None:
+        from rlplatform.adapter.policy import check_loads
+
+        check_loads(info.path, policy)
+
     if (target / "rllib_checkpoint.json").exists() or target.name.startswith("checkpoint_"):
-        return read_checkpoint(target)
+        return checked(read_checkpoint(target), loads)
     if not (target / CONFIG_FILE).is_file():
         raise UserError(f"not a run directory or checkpoint: {target}")
     checkpoints = list_checkpoints(target / "checkpoints")
-    if not checkpoints:
-        raise UserError(f"no complete checkpoint in {target / 'checkpoints'}")
-    chosen = best_checkpoint(checkpoints) if which == "best" else None
-    return chosen or checkpoints[-1]
+    order = best_first(checkpoints) if which == "best" else newest_first(checkpoints)
+    return first_usable(order, loads, target / "checkpoints")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -51,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--episodes must be at least 1, not {args.episodes}")
     if args.video:
         check_writable(args.video)
-    info = find_checkpoint(args.target, args.checkpoint)
+    info = find_checkpoint(args.target, args.checkpoint, args.policy)
     config = validate(info.meta["config"], source=str(info.path)) if "config" in info.meta else None
     if config is None:
         raise UserError(f"checkpoint {info.path} carries no experiment config")

@@ -43,8 +43,10 @@ def run(args: argparse.Namespace) -> int:
     resolved = _resolve(args)
     if not args.resume:
         rundir.check_writable(args.runs_dir)
-    connected = False
+    connected, lock = False, None
     try:
+        if args.resume and not args.print_config:
+            lock = rundir.WriterLock(args.resume)  # before anything of the run is read for resuming
         if args.address:
             resources = local_ray.connect(args.address)
             connected = True
@@ -59,6 +61,7 @@ def run(args: argparse.Namespace) -> int:
             return 0
         if plan.run_dir is None:
             plan.run_dir = rundir.new_run_dir(args.runs_dir, plan.config.name)
+            lock = rundir.WriterLock(plan.run_dir)
         rundir.write_config(plan.run_dir, plan.config)
         rundir.write_manifest(plan.run_dir, plan.config, _manifest_facts(args, resolved, plan))
         if args.dashboard:
@@ -75,6 +78,8 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if connected:
             local_ray.shutdown()
+        if lock is not None:
+            lock.release()
 
 
 def _manifest_facts(args: argparse.Namespace, resolved: ResolvedExperiment, plan: Plan) -> dict[str, Any]:

@@ -12,8 +12,47 @@ from pydantic import BaseModel
 from rlplatform.errors import UserError
 
 
+# What an experiment file may hold at most: deeper or (through aliases) bigger input is refused before it is
+# built, so that nothing after reading (validation, `--print-config`, the run's config.yaml) recurses or expands
+# without bound. A real experiment is a few levels deep and a few hundred values big.
+MAX_DEPTH = 100
+MAX_VALUES = 1_000_000
+_MAX_INT_BITS = 13_000  # about 3,900 decimal digits: Python prints no integer of more than 4,300
+
+
 class _Loader(yaml.SafeLoader):
-    """PyYAML reads `1e-3` as a string (YAML 1.1); hyper-parameters are written that way, so accept it as a float."""
+    """PyYAML reads `1e-3` as a string (YAML 1.1); hyper-parameters are written that way, so accept it as a float.
+
+    Bad input ends as a `yaml.YAMLError` with its place in the text, never as another exception: nesting deeper
+    than MAX_DEPTH, aliases that refer to their own collection or expand past MAX_VALUES, and values PyYAML
+    cannot build (the date 2001-13-45, `!!int abc`, an integer of 5,000 digits).
+    """
+
+    _depth = 0
+
+    def compose_node(self, parent, index):
+        self._depth += 1
+        try:
+            if self._depth > MAX_DEPTH:
+                raise yaml.composer.ComposerError(None, None, f"nested deeper than {MAX_DEPTH} levels", self.peek_event().start_mark)
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+    def get_single_node(self):
+        node = super().get_single_node()
+        if node is not None:
+            _check_expansion(node)
+        return node
+
+    def construct_object(self, node, deep=False):
+        try:
+            data = super().construct_object(node, deep=deep)
+        except (ValueError, OverflowError) as exc:
+            raise _unreadable(node, str(exc).split(";")[0]) from None
+        if isinstance(data, int) and data.bit_length() > _MAX_INT_BITS:
+            raise _unreadable(node, "too many digits")
+        return data
 
 
 _Loader.add_implicit_resolver(
@@ -30,7 +69,50 @@ _Loader.add_implicit_resolver(
 )
 
 
+def _unreadable(node: yaml.Node, reason: str) -> yaml.YAMLError:
+    kind = node.tag.rpartition(":")[2] if isinstance(node, yaml.ScalarNode) else "value"
+    return yaml.constructor.ConstructorError(None, None, f"cannot read {_shorten(node.value)!r} as {kind}: {reason}", node.start_mark)
+
+
+def _shorten(text: Any, limit: int = 60) -> Any:
+    return text[:limit] + "..." if isinstance(text, str) and len(text) > limit else text
+
+
+def _children(node: yaml.Node) -> list[yaml.Node]:
+    if isinstance(node, yaml.MappingNode):
+        return [child for pair in node.value for child in pair]
+    return list(node.value) if isinstance(node, yaml.SequenceNode) else []
+
+
+def _check_expansion(root: yaml.Node) -> None:
+    """Refuse a node graph that aliases make recursive, deeper than MAX_DEPTH or bigger than MAX_VALUES.
+
+    Walks each node once (an alias shares its anchor's node), without recursion.
+    """
+    done: dict[int, tuple[int, int]] = {}  # id(node) -> (values it expands to, depth)
+    path: set[int] = set()  # the nodes being walked: meeting one again is a cycle
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, children_done = stack.pop()
+        if children_done:
+            sizes = [done[id(child)] for child in _children(node)]
+            size, depth = 1 + sum(s for s, _ in sizes), 1 + max((d for _, d in sizes), default=0)
+            path.discard(id(node))
+            if depth > MAX_DEPTH:
+                raise yaml.composer.ComposerError(None, None, f"nested deeper than {MAX_DEPTH} levels (through aliases)", node.start_mark)
+            if size > MAX_VALUES:
+                raise yaml.composer.ComposerError(None, None, f"aliases expand this to more than {MAX_VALUES:,} values", node.start_mark)
+            done[id(node)] = (size, depth)
+        elif id(node) in path:
+            raise yaml.composer.ComposerError(None, None, "an alias refers to the collection that holds it", node.start_mark)
+        elif id(node) not in done:
+            path.add(id(node))
+            stack.append((node, True))
+            stack.extend((child, False) for child in _children(node) if id(child) not in done)
+
+
 def load_yaml_text(text: str) -> Any:
+    """YAML -> data; bad input raises `yaml.YAMLError` (see `_Loader`)."""
     return yaml.load(text, Loader=_Loader)
 
 
@@ -38,7 +120,13 @@ def read_yaml(path: Path, what: str = "experiment file") -> dict[str, Any]:
     if not path.is_file():
         raise UserError(f"{what} not found: {path}")
     try:
-        data = load_yaml_text(path.read_text())
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UserError(f"{path}: not a UTF-8 text file (byte {exc.start + 1}: {exc.reason})") from None
+    except OSError as exc:
+        raise UserError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
+    try:
+        data = load_yaml_text(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -59,8 +147,9 @@ def parse_override(text: str) -> tuple[list[str], Any]:
         raise UserError(f"bad --set {text!r}: expected KEY=VALUE, e.g. training.lr=1e-3")
     try:
         value = load_yaml_text(raw) if raw.strip() else None
-    except yaml.YAMLError:
-        raise UserError(f"bad --set {text!r}: the value is not valid YAML") from None
+    except yaml.YAMLError as exc:
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise UserError(f"bad --set {_shorten(text)!r}: the value is not valid YAML ({problem})") from None
     return key.split("."), value
 
 

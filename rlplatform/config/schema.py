@@ -17,6 +17,8 @@ SCHEMA_VERSION = 1
 ALGORITHMS = ("PPO", "APPO", "IMPALA", "DQN", "SAC")
 ASYNCHRONOUS_ALGORITHMS = ("APPO", "IMPALA")  # they learn while their env runners sample
 DEFAULT_PROFILE = "auto"
+MAX_ACTORS = 100_000  # env runners or learners a run may ask for: more than any Ray cluster holds
+MIN_RESOURCE = 0.0001  # Ray's smallest unit of a CPU or GPU
 
 
 class Section(BaseModel):
@@ -53,15 +55,22 @@ class ScaleSection(Section):
 
 
 class HardwareSection(Section):
-    driver_cpus: float = Field(1, ge=0)
-    cpus_per_env_runner: float = Field(1, ge=0)
-    gpus_per_env_runner: float = Field(0, ge=0)
-    cpus_per_learner: float = Field(1, ge=0)
-    gpus_per_learner: float = Field(0, ge=0)
+    driver_cpus: float = Field(1, ge=0, allow_inf_nan=False)
+    cpus_per_env_runner: float = Field(1, ge=0, allow_inf_nan=False)
+    gpus_per_env_runner: float = Field(0, ge=0, allow_inf_nan=False)
+    cpus_per_learner: float = Field(1, ge=0, allow_inf_nan=False)
+    gpus_per_learner: float = Field(0, ge=0, allow_inf_nan=False)
+
+    @field_validator("*")
+    @classmethod
+    def _ray_can_count_it(cls, value: float) -> float:
+        if 0 < value < MIN_RESOURCE:
+            raise ValueError(f"must be 0 or at least {MIN_RESOURCE} (Ray counts CPUs and GPUs in steps of {MIN_RESOURCE})")
+        return value
 
 
 class StopSection(Section):
-    return_mean: Optional[float] = None
+    return_mean: Optional[float] = Field(None, allow_inf_nan=False)
     env_steps: Optional[int] = Field(None, gt=0)
     iterations: Optional[int] = Field(None, gt=0)
     wall_time_s: Optional[float] = Field(None, gt=0)
@@ -117,7 +126,7 @@ class ExperimentConfig(Section):
     env: str = "CartPole-v1"
     env_config: dict[str, Any] = Field(default_factory=dict)
     profile: str = DEFAULT_PROFILE
-    seed: Optional[int] = 0
+    seed: Optional[int] = Field(0, ge=0, lt=2**32)  # what numpy takes
     training: dict[str, Any] = Field(default_factory=dict)
     model: ModelSection = Field(default_factory=ModelSection)
     scale: ScaleSection = Field(default_factory=ScaleSection)
@@ -155,23 +164,38 @@ class ExperimentConfig(Section):
 
 def validate(data: dict[str, Any], source: str = "config") -> ExperimentConfig:
     try:
-        return ExperimentConfig.model_validate(data)
+        config = ExperimentConfig.model_validate(data)
     except ValidationError as exc:
         raise UserError(describe_validation_error(exc, data, source)) from None
+    # Checked here, on what the user gives, not in the schema: `--profile auto` may size a big cluster past it.
+    for key in ("env_runners", "learners"):
+        if getattr(config.scale, key) > MAX_ACTORS:
+            raise UserError(f"{source}: scale.{key} = {_show(getattr(config.scale, key))}: at most {MAX_ACTORS:,}")
+    return config
 
 
 def describe_validation_error(exc: ValidationError, data: dict[str, Any], source: str) -> str:
     err = exc.errors()[0]
     loc = [str(p) for p in err["loc"]]
     key = ".".join(loc)
+    shown_key = ".".join(p if p and p.isprintable() and p.strip() == p else repr(p) for p in loc)  # one line
     if err["type"] == "extra_forbidden":
         section_model = _model_at(loc[:-1])
         known = list(section_model.model_fields) if section_model else []
         return f"{source}: unknown key {key!r}{did_you_mean(loc[-1], known)}"
     value = _value_at(data, loc)
     msg = err["msg"].removeprefix("Value error, ")
-    shown = f" = {value!r}" if value is not _MISSING else ""
-    return f"{source}: {key}{shown}: {msg}"
+    shown = f" = {_show(value)}" if value is not _MISSING else ""
+    return f"{source}: {shown_key}{shown}: {msg}"
+
+
+def _show(value: Any, limit: int = 200) -> str:
+    """repr, cut to one readable piece of a line."""
+    try:
+        text = repr(value)
+    except ValueError:  # an integer too long for Python to print
+        text = f"<an integer of {value.bit_length()} bits>"
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 _MISSING = object()

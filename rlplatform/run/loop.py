@@ -3,6 +3,7 @@ train, log, print, check the stop criteria and checkpoint; signals finish the it
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import time
@@ -78,12 +79,13 @@ def train_loop(plan: Plan) -> int:
         raise TrainingFailed(f"the algorithm could not be built: {exc}") from None
     stop_flag = StopFlag()
     window, wall_before = EpisodeWindow(), 0.0
+    checkpoints = CheckpointManager(run_dir / "checkpoints", config.checkpoint.keep_last, config.checkpoint.keep_best)
+    purge_step = None
     if plan.resume_from:
         window = EpisodeWindow.from_state(plan.resume_from.meta.get("episode_window"))
         wall_before = float(plan.resume_from.meta.get("wall_time_s", 0.0))
-        progress.say(f"resumed from {plan.resume_from.path} (iteration {plan.resume_from.iteration})")
-    checkpoints = CheckpointManager(run_dir / "checkpoints", config.checkpoint.keep_last, config.checkpoint.keep_best)
-    logger = RunLogger(run_dir, config, fresh=plan.resume_from is None)
+        purge_step = _rewind(run_dir, plan.resume_from, checkpoints)
+    logger = RunLogger(run_dir, config, fresh=plan.resume_from is None, purge_step=purge_step)
     monitor = SystemMonitor(object_store=config.speedups)
     startup = {"ray_ready_s": (plan.ray_ready_at or started) - started, "algorithm_ready_s": time.time() - started}
     last: Optional[dict[str, Any]] = None
@@ -108,18 +110,60 @@ def train_loop(plan: Plan) -> int:
             reason = stop_reason(config, m, window.full, wall_s) or stop_flag.reason
             every = config.checkpoint.every
             if reason is not None or (every and m["iteration"] % every == 0):
-                saved = checkpoints.save(
-                    lambda path: host.call("save", path),
-                    iteration=m["iteration"], env_steps=m["env_steps"], score=_score(m),
-                    meta={"wall_time_s": wall_s, "episode_window": window.state(), "config": config.model_dump()},
-                )
+                try:
+                    saved = checkpoints.save(
+                        lambda path: host.call("save", path),
+                        iteration=m["iteration"], env_steps=m["env_steps"], score=_score(m),
+                        meta={"wall_time_s": wall_s, "episode_window": window.state(), "config": config.model_dump()},
+                    )
+                except (OSError, HostFailed) as exc:
+                    raise TrainingFailed(_checkpoint_failed(f"checkpoint {m['iteration']} could not be written", exc, checkpoints)) from None
+    except OSError as exc:
+        if exc.errno not in NO_ROOM:
+            raise
+        raise TrainingFailed(_checkpoint_failed("cannot write to the run directory", exc, checkpoints)) from None
     finally:
         stop_flag.restore()
-        logger.close()
+        _close_quietly(logger)  # on a full disk its last flush fails too; the run's outcome is said above
         monitor.stop()
         host.close()
     progress.print_summary(run_dir, reason, last, saved, time.time() - started)
     return 0
+
+
+NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG)
+
+
+def _checkpoint_failed(what: str, exc: BaseException, checkpoints: CheckpointManager) -> str:
+    """A write that failed (disk full, quota, read-only) ends the run: training on would lose what it
+    learns, since nothing more can be saved. A checkpoint's partial directory is gone; earlier ones are whole."""
+    from rlplatform.run.checkpoints import list_checkpoints
+
+    cause = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+    written = list_checkpoints(checkpoints.directory)
+    latest = written[-1].path if written else "none"
+    return f"{what} ({cause}); the run stops here, the checkpoints written before are intact (latest: {latest})"
+
+
+def _close_quietly(logger) -> None:
+    try:
+        logger.close()
+    except OSError:
+        pass
+
+
+def _rewind(run_dir: Path, resume_from, checkpoints: CheckpointManager) -> int:
+    """Every chart and table shows each iteration once: what the iterations after the checkpoint wrote
+    is set aside (metrics rows, checkpoints) or hidden (TensorBoard events, by the returned purge step)."""
+    from rlplatform.run.metrics import ROLLED_BACK_FILE, rewind_record
+
+    k = resume_from.iteration
+    rows, moved = rewind_record(run_dir, k), checkpoints.roll_back_after(k)
+    progress.say(f"resumed from {resume_from.path} (iteration {k})")
+    if rows or moved:
+        progress.say(f"rolled back what came after iteration {k}: {rows} metrics row(s) to {ROLLED_BACK_FILE}, "
+                     f"{len(moved)} checkpoint(s) to checkpoints/rolled_back/")
+    return resume_from.env_steps + 1
 
 
 def _record_startup(run_dir: Path, startup: dict[str, float], first: dict[str, Any], now_s: float) -> None:

@@ -14,6 +14,8 @@ from typing import Any, Iterable, Optional
 from rlplatform.adapter.results import ENV_STEPS
 
 RETURN_WINDOW = 100  # episodes in the smoothed return, as in Gym's "solved" criterion
+METRICS_FILE = "metrics.jsonl"
+ROLLED_BACK_FILE = "metrics.rolled_back.jsonl"
 
 
 class EpisodeWindow:
@@ -64,14 +66,16 @@ class RunLogger:
     iteration (from the tags it really logs); a resumed run already has both.
     """
 
-    def __init__(self, run_dir: Path, config=None, fresh: bool = True):
+    def __init__(self, run_dir: Path, config=None, fresh: bool = True, purge_step: Optional[int] = None):
+        """`purge_step`: on resume, the first env step after the checkpoint's; TensorBoard hides the events
+        the lost iterations wrote at or after it, so no curve runs back over the same env steps."""
         from torch.utils.tensorboard import SummaryWriter
 
         from rlplatform.dashboards import tb_layout
 
         self._tb_layout = tb_layout
-        self.writer = SummaryWriter(log_dir=str(run_dir), flush_secs=10)
-        self.jsonl = (run_dir / "metrics.jsonl").open("a")
+        self.writer = SummaryWriter(log_dir=str(run_dir), flush_secs=10, purge_step=purge_step)
+        self.jsonl = (run_dir / METRICS_FILE).open("a")
         self._layout_pending = fresh
         if fresh and config is not None:
             tb_layout.write_hparams(self.writer, config)
@@ -92,3 +96,34 @@ class RunLogger:
     def close(self) -> None:
         self.writer.close()
         self.jsonl.close()
+
+
+def rewind_record(run_dir: Path, iteration: int) -> int:
+    """Resuming from `iteration`: the rows after it (iterations lost with a crash, or a torn last line)
+    leave metrics.jsonl for metrics.rolled_back.jsonl, each with when and why. Returns how many."""
+    import datetime as dt
+    import os
+
+    path = run_dir / METRICS_FILE
+    if not path.is_file():
+        return 0
+    kept, dropped = [], []
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:  # the process died mid-line
+            dropped.append(line)
+            continue
+        (kept if isinstance(row, dict) and row.get("iteration", 0) <= iteration else dropped).append(line)
+    if not dropped:
+        return 0
+    note = {"resumed_from_iteration": iteration, "at": dt.datetime.now().astimezone().isoformat(timespec="seconds")}
+    with (run_dir / ROLLED_BACK_FILE).open("a") as f:
+        for line in dropped:
+            f.write(json.dumps({"rolled_back": note, "row": line}) + "\n")
+    tmp = path.with_name(METRICS_FILE + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    os.replace(tmp, path)
+    return len(dropped)

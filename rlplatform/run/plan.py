@@ -11,7 +11,7 @@ from rlplatform import internals
 from rlplatform.config.experiment import ResolvedExperiment
 from rlplatform.config.schema import ExperimentConfig
 from rlplatform.config.sizing import Resources, preflight, size_to_cluster
-from rlplatform.run.checkpoints import CheckpointInfo, latest_checkpoint
+from rlplatform.run.checkpoints import CheckpointInfo, first_usable, list_checkpoints, newest_first
 
 
 @dataclass
@@ -56,8 +56,9 @@ def _driver_node_resource() -> dict[str, float]:
 
 
 def checkpoint_to_resume(run_dir: Path) -> CheckpointInfo:
-    from rlplatform.adapter.policy import load_inference_module
+    """The newest checkpoint that verifies and whose policy loads: a torn or corrupt one is skipped
+    (and named) here, before Ray starts."""
+    from rlplatform.adapter.policy import check_loads
 
-    info = latest_checkpoint(run_dir)
-    load_inference_module(info.path)  # a torn or corrupt checkpoint fails here, before Ray starts
-    return info
+    directory = run_dir / "checkpoints"
+    return first_usable(newest_first(list_checkpoints(directory)), lambda info: check_loads(info.path), directory)

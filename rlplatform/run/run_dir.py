@@ -18,6 +18,33 @@ from rlplatform.errors import UserError
 
 CONFIG_FILE = "config.yaml"
 MANIFEST_FILE = "manifest.json"
+WRITER_FILE = ".writer"
+
+
+class WriterLock:
+    """One writer per run directory: an exclusive `flock` on the directory itself, held while the run lives.
+
+    The OS drops the lock when the process ends, however it ends, so a crash never leaves a stale lock
+    (a `.writer` file left behind only names the last holder and is overwritten). `evaluate`, `report`
+    and `dashboard` only read and take none.
+    """
+
+    def __init__(self, run_dir: Path):
+        import fcntl
+
+        self._info = run_dir / WRITER_FILE
+        self._fd = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._fd)
+            holder = self._info.read_text().strip() if self._info.is_file() else "another process"
+            raise UserError(f"run directory {run_dir} is in use by {holder}; wait for it to end or stop it") from None
+        self._info.write_text(f"process {os.getpid()} on {socket.gethostname()} ({' '.join(sys.argv)})\n")
+
+    def release(self) -> None:
+        self._info.unlink(missing_ok=True)
+        os.close(self._fd)  # closing the descriptor releases the flock
 
 
 def check_writable(root: Path) -> None:

@@ -1,0 +1,127 @@
+"""Runs that survive their own crashes: resume skips damaged checkpoints and rewinds the record, one writer
+per run directory, a full disk ends the run cleanly. Real `train` processes on private Ray instances."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from conftest import ROOT, assert_user_error, only_run_dir, read_metrics, run_cli
+from rlplatform.run.checkpoints import list_checkpoints, verify
+
+pytestmark = pytest.mark.slow
+UNTIL_CLOCK = ["--set", "stop.return_mean=null", "--set", "stop.env_steps=null"]
+
+
+def iterations(run_dir: Path) -> list[int]:
+    return [row["iteration"] for row in read_metrics(run_dir)]
+
+
+def tensorboard_iterations(run_dir: Path) -> list[tuple[int, float]]:
+    """(env steps, iteration) of `progress/iteration` as TensorBoard shows them, purged events hidden."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    board = EventAccumulator(str(run_dir))
+    board.Reload()
+    return [(event.step, event.value) for event in board.Scalars("progress/iteration")]
+
+
+def test_resume_skips_a_damaged_checkpoint_and_rewinds_the_record(runs):
+    first = run_cli("train", "--runs-dir", runs, *UNTIL_CLOCK, "--set", "stop.iterations=5",
+                    "--set", "checkpoint.every=2", "--set", "checkpoint.keep_last=5")
+    assert first.returncode == 0, first.stderr
+    run_dir = only_run_dir(runs, "cartpole-ppo")
+    weights = next((run_dir / "checkpoints" / "checkpoint_000005").rglob("default_policy/module_state.pkl"))
+    size = weights.stat().st_size
+    weights.write_bytes(weights.read_bytes()[:100])  # the last checkpoint damaged after it was written
+
+    second = run_cli("train", "--resume", run_dir, "--set", "stop.iterations=7")
+    assert second.returncode == 0, second.stdout + second.stderr
+    skipped = [line for line in second.stderr.splitlines() if line.startswith("skipped")]
+    assert skipped == [f"skipped 1 checkpoint(s) that are not whole: checkpoint_000005: "
+                       f"learner_group/learner/rl_module/default_policy/module_state.pkl has 100 bytes, {size:,} were written"]
+    assert "(iteration 4)" in second.stdout
+    assert iterations(run_dir) == [1, 2, 3, 4, 5, 6, 7]
+    rolled = [json.loads(line) for line in (run_dir / "metrics.rolled_back.jsonl").read_text().splitlines()]
+    assert [json.loads(r["row"])["iteration"] for r in rolled] == [5]
+    assert rolled[0]["rolled_back"]["resumed_from_iteration"] == 4
+    assert (run_dir / "checkpoints" / "rolled_back" / "checkpoint_000005").is_dir()
+    shown = tensorboard_iterations(run_dir)
+    assert [value for _, value in shown] == [1, 2, 3, 4, 5, 6, 7]
+    assert [step for step, _ in shown] == sorted({step for step, _ in shown})  # each env step once, rising
+    assert [c.iteration for c in list_checkpoints(run_dir / "checkpoints")] == [2, 4, 6, 7]
+
+
+def _children(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def test_one_writer_per_run_directory_and_a_killed_run_resumes_without_a_trace(runs):
+    first = run_cli("train", "--runs-dir", runs, *UNTIL_CLOCK, "--set", "stop.iterations=2", "--set", "checkpoint.every=1")
+    assert first.returncode == 0, first.stderr
+    run_dir = only_run_dir(runs, "cartpole-ppo")
+    writer = subprocess.Popen(
+        [sys.executable, "-m", "rlplatform", "train", "--resume", str(run_dir), "--set", "stop.iterations=10000",
+         "--set", "checkpoint.every=3"],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.time() + 180
+        while time.time() < deadline and len(iterations(run_dir)) < 9:
+            assert writer.poll() is None, "the resumed run ended early"
+            time.sleep(0.5)
+        second = run_cli("train", "--resume", run_dir, "--set", "stop.iterations=3")
+        assert_user_error(second, f"in use by process {writer.pid}", str(run_dir))
+    finally:
+        for process in [*_children(writer.pid), psutil.Process(writer.pid)]:
+            process.send_signal(signal.SIGKILL)  # the driver and the Ray it started, no cleanup anywhere
+        writer.wait(timeout=30)
+    before_kill = iterations(run_dir)
+    newest = list_checkpoints(run_dir / "checkpoints")[-1].iteration
+    assert len(before_kill) >= 9 and newest <= before_kill[-1]
+
+    third = run_cli("train", "--resume", run_dir, "--set", f"stop.iterations={before_kill[-1] + 2}")
+    assert third.returncode == 0, third.stdout + third.stderr  # the OS released the killed writer's lock
+    assert f"(iteration {newest})" in third.stdout
+    assert iterations(run_dir) == list(range(1, before_kill[-1] + 3))
+    assert [value for _, value in tensorboard_iterations(run_dir)] == list(range(1, before_kill[-1] + 3))
+    assert not list((run_dir / "checkpoints").glob(".partial-*"))
+    assert all(verify(c) is None for c in list_checkpoints(run_dir / "checkpoints"))
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real 2 MiB file system (tmpfs): room for a few checkpoints, then ENOSPC."""
+    mount_point = tmp_path / "small-disk"
+    mount_point.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount_point)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {mounted.stderr.decode().strip()}")
+    yield mount_point
+    subprocess.run(["umount", "-l", str(mount_point)], check=False)
+
+
+def test_a_full_disk_ends_the_run_with_one_line_and_every_earlier_checkpoint_whole(small_disk):
+    runs = small_disk / "runs"
+    result = run_cli("train", "--runs-dir", runs, *UNTIL_CLOCK, "--set", "stop.iterations=500",
+                     "--set", "checkpoint.every=1", "--set", "checkpoint.keep_last=1000")
+    assert result.returncode == 1, result.stdout + result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: training failed: checkpoint "), result.stderr
+    assert "No space left on device" in lines[0] and "the checkpoints written before are intact" in lines[0]
+    run_dir = only_run_dir(runs, "cartpole-ppo")
+    written = list_checkpoints(run_dir / "checkpoints")
+    assert written and [c.iteration for c in written] == list(range(1, len(written) + 1))
+    assert all(verify(c) is None for c in written)
+    assert str(written[-1].path) in lines[0]
+    assert not list((run_dir / "checkpoints").glob(".partial-*"))
+    assert os.statvfs(small_disk).f_bavail * os.statvfs(small_disk).f_frsize < 512 * 1024  # it really was full
