@@ -125,3 +125,33 @@ def test_a_full_disk_ends_the_run_with_one_line_and_every_earlier_checkpoint_who
     assert str(written[-1].path) in lines[0]
     assert not list((run_dir / "checkpoints").glob(".partial-*"))
     assert os.statvfs(small_disk).f_bavail * os.statvfs(small_disk).f_frsize < 512 * 1024  # it really was full
+
+
+def test_max_failures_rebuilds_the_algorithm_from_its_newest_checkpoint_when_its_actor_dies(runs):
+    # One remote env runner (laptop profile): the algorithm lives in an actor of the run's placement group.
+    run = subprocess.Popen(
+        [sys.executable, "-m", "rlplatform", "train", "--runs-dir", str(runs), "--profile", "laptop", *UNTIL_CLOCK,
+         "--set", "stop.iterations=10", "--set", "checkpoint.every=2", "--max-failures", "2"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    killed = None
+    deadline = time.time() + 240
+    while killed is None and time.time() < deadline and run.poll() is None:
+        run_dirs = list((runs / "cartpole-ppo").glob("*")) if (runs / "cartpole-ppo").is_dir() else []
+        if run_dirs and len(iterations(run_dirs[0])) >= 5:
+            hosts = [p for p in _children(run.pid) if "AlgorithmHost" in " ".join(p.cmdline())]
+            if hosts:
+                killed = hosts[0]
+                killed.send_signal(signal.SIGKILL)  # as the OOM killer or a lost node would
+        time.sleep(0.2)
+    stdout, stderr = run.communicate(timeout=300)
+    assert killed is not None, stdout + stderr
+    assert run.returncode == 0, stdout + stderr
+    assert "restart 1 of at most 2" in stdout
+    run_dir = only_run_dir(runs, "cartpole-ppo")
+    assert iterations(run_dir) == list(range(1, 11))  # each iteration once, the lost ones rolled back
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    (restart,) = manifest["restarts"]
+    assert restart["from_iteration"] in (2, 4, 6) and restart["error"]
+    assert read_metrics(run_dir)[-1]["faults/run_restarts"] == 1
+    assert [value for _, value in tensorboard_iterations(run_dir)] == list(range(1, 11))

@@ -32,6 +32,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--profile", help="scale/hardware profile: auto (default), laptop, workstation-1gpu, multi-gpu, cluster, or a YAML path")
     p.add_argument("--address", help="run on an existing Ray cluster (auto or HOST:PORT); default: a private local instance")
     p.add_argument("--resume", type=Path, metavar="RUN_DIR", help="continue a run from its newest complete checkpoint")
+    p.add_argument("--max-failures", type=int, metavar="N",
+                   help="rebuild the algorithm from its newest verified checkpoint when a training step fails, up to N times")
     p.add_argument("--runs-dir", type=Path, default=Path("runs"), help="root of run directories (default: runs)")
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     p.add_argument("--dashboard", action="store_true", help="start TensorBoard on the run beside the training")
@@ -91,6 +93,8 @@ def _manifest_facts(args: argparse.Namespace, resolved: ResolvedExperiment, plan
 
 
 def _resolve(args: argparse.Namespace) -> ResolvedExperiment:
+    if args.max_failures is not None:
+        args.overrides = [*args.overrides, f"max_failures={args.max_failures}"]
     if not args.resume:
         return resolve_experiment(args.experiment, args.overrides, args.profile)
     if args.experiment is not None or args.profile is not None:

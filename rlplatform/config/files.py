@@ -48,8 +48,10 @@ class _Loader(yaml.SafeLoader):
     def construct_object(self, node, deep=False):
         try:
             data = super().construct_object(node, deep=deep)
-        except (ValueError, OverflowError) as exc:
-            raise _unreadable(node, str(exc).split(";")[0]) from None
+        except yaml.YAMLError:
+            raise
+        except Exception as exc:  # ValueError mostly; `!!timestamp x` gives an AttributeError
+            raise _unreadable(node, str(exc).split(";")[0] if isinstance(exc, ValueError) else "malformed") from None
         if isinstance(data, int) and data.bit_length() > _MAX_INT_BITS:
             raise _unreadable(node, "too many digits")
         return data

@@ -11,6 +11,7 @@ from typing import Any, Literal, Optional, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from rlplatform.config.files import MAX_DEPTH
 from rlplatform.errors import UserError, did_you_mean
 
 SCHEMA_VERSION = 1
@@ -104,7 +105,9 @@ class MultiAgentSection(Section):
     @field_validator("policies", mode="before")
     @classmethod
     def _names_are_enough(cls, value: Any) -> Any:
-        return {name: {} for name in value} if isinstance(value, list) else value
+        if isinstance(value, list) and all(isinstance(name, str) for name in value):
+            return {name: {} for name in value}
+        return value
 
     @model_validator(mode="after")
     def _consistent(self) -> "MultiAgentSection":
@@ -139,6 +142,9 @@ class ExperimentConfig(Section):
     # The speed-ups that reach into Ray's and RLlib's internals (rlplatform/internals, docs/internals.md);
     # false: the run is plain RLlib. On a Ray release they were not verified on they switch themselves off.
     speedups: bool = True
+    # A training step that fails (a learner or the algorithm's actor lost, the env runners exhausted) rebuilds
+    # the algorithm from the newest checkpoint that verifies, up to this many times (`train --max-failures`).
+    max_failures: int = Field(0, ge=0)
 
     @model_validator(mode="before")
     @classmethod
@@ -153,6 +159,20 @@ class ExperimentConfig(Section):
         data.setdefault("speedups", not plain)
         return data
 
+    @field_validator("training")
+    @classmethod
+    def _keyword_names(cls, value: dict[str, Any]) -> dict[str, Any]:
+        _check_names(value, "a hyper-parameter name")
+        return value
+
+    @field_validator("rllib")
+    @classmethod
+    def _method_and_keyword_names(cls, value: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        _check_names(value, "a method name")
+        for kwargs in value.values():
+            _check_names(kwargs, "a keyword-argument name")
+        return value
+
     @field_validator("algorithm")
     @classmethod
     def _known_algorithm(cls, value: str) -> str:
@@ -162,7 +182,17 @@ class ExperimentConfig(Section):
         return upper
 
 
+def _check_names(mapping: dict[str, Any], what: str) -> None:
+    """RLlib takes these keys as Python names (keyword arguments, methods): anything else is a typo or worse."""
+    for name in mapping:
+        if not name.isidentifier():
+            raise ValueError(f"{_show(name)} is not {what}")
+
+
 def validate(data: dict[str, Any], source: str = "config") -> ExperimentConfig:
+    too_deep = _deeper_than(data, MAX_DEPTH)
+    if too_deep is not None:  # as deep input from a file is refused when read: this config's config.yaml reads back
+        raise UserError(f"{source}: {too_deep}: nested deeper than {MAX_DEPTH} levels")
     try:
         config = ExperimentConfig.model_validate(data)
     except ValidationError as exc:
@@ -172,6 +202,18 @@ def validate(data: dict[str, Any], source: str = "config") -> ExperimentConfig:
         if getattr(config.scale, key) > MAX_ACTORS:
             raise UserError(f"{source}: scale.{key} = {_show(getattr(config.scale, key))}: at most {MAX_ACTORS:,}")
     return config
+
+
+def _deeper_than(data: Any, limit: int) -> Optional[str]:
+    """The top-level key under which `data` nests deeper than `limit` (counted as YAML nodes), or None."""
+    stack = [(value, 2, str(key)) for key, value in data.items()] if isinstance(data, dict) else []
+    while stack:
+        node, depth, key = stack.pop()
+        if depth > limit:
+            return _show(key) if not key.isidentifier() else key
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
+        stack.extend((child, depth + 1, key) for child in children)
+    return None
 
 
 def describe_validation_error(exc: ValidationError, data: dict[str, Any], source: str) -> str:

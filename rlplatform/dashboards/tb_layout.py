@@ -29,6 +29,7 @@ LAYOUT: dict[str, dict[str, list[str]]] = {
     },
     "Cluster": {
         "Env runners: healthy and restarts": [r"faults/healthy_env_runners", r"faults/env_runner_restarts"],
+        "Run restarts from checkpoints (--max-failures)": [r"faults/run_restarts"],
         "CPU % per node": [r"system/[^/]+/cpu_percent"],
         "RAM % per node": [r"system/[^/]+/ram_percent"],
         "GPU utilisation %": [r"system/gpu\d+/util_percent"],

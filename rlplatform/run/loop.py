@@ -56,7 +56,6 @@ def stop_reason(config: ExperimentConfig, m: dict[str, Any], window_full: bool, 
 
 def train_loop(plan: Plan) -> int:
     from rlplatform.infra.system_monitor import SystemMonitor
-    from rlplatform.run import algorithm_host
     from rlplatform.run.algorithm_host import HostFailed
     from rlplatform.run.metrics import EpisodeWindow, RunLogger
 
@@ -65,18 +64,7 @@ def train_loop(plan: Plan) -> int:
     progress.print_start(run_dir, config, plan.resources.describe())
     if plan.layout_note:
         progress.say(plan.layout_note)
-    host = None
-    try:
-        host = algorithm_host.start(config, plan.bundles, plan.main_process_resources, plan.resources.describe(),
-                                    in_driver=plan.algorithm_in_driver)
-        rundir.record_start(run_dir, "placement", {"algorithm_node": host.call("node_id"), "algorithm_in": host.where,
-                                                   "env_runner_nodes": host.call("env_runner_nodes")})
-        if plan.resume_from:
-            host.call("restore", str(plan.resume_from.path.resolve()))
-    except HostFailed as exc:
-        if host is not None:
-            host.close()
-        raise TrainingFailed(f"the algorithm could not be built: {exc}") from None
+    host = _start_host(plan, plan.resume_from, record_placement=True)
     stop_flag = StopFlag()
     window, wall_before = EpisodeWindow(), 0.0
     checkpoints = CheckpointManager(run_dir / "checkpoints", config.checkpoint.keep_last, config.checkpoint.keep_best)
@@ -92,15 +80,29 @@ def train_loop(plan: Plan) -> int:
     saved: Optional[Path] = None
     stall = StallGuard()
     reason = None
+    restarts: list[dict[str, Any]] = []
     try:
         while reason is None:
             try:
                 m = host.call("train")
             except HostFailed as exc:
-                raise TrainingFailed(str(exc)) from None
+                if len(restarts) >= config.max_failures:
+                    raise TrainingFailed(str(exc) if not restarts else f"{exc} (after {len(restarts)} restart(s))") from None
+                host.close()
+                host = None
+                resume_from = _record_restart(run_dir, restarts, exc, checkpoints, config.max_failures)
+                host = _start_host(plan, resume_from)
+                _close_quietly(logger)
+                purge_step = _rewind(run_dir, resume_from, checkpoints) if resume_from else _rewind_to_start(run_dir, checkpoints)
+                logger = RunLogger(run_dir, config, fresh=False, purge_step=purge_step)
+                window = EpisodeWindow.from_state(resume_from.meta.get("episode_window") if resume_from else None)
+                stall = StallGuard()
+                continue
             window.add(m.pop("episode_returns"), m.pop("episode_lengths"))
             wall_s = wall_before + time.time() - started
             m.update(window.summary(), **monitor.sample(), wall_time_s=wall_s, timestamp=time.time())
+            if config.max_failures:
+                m["faults/run_restarts"] = len(restarts)
             logger.log(m)
             progress.print_iteration(m, config.scale.env_runners)
             if last is None:
@@ -126,8 +128,59 @@ def train_loop(plan: Plan) -> int:
         stop_flag.restore()
         _close_quietly(logger)  # on a full disk its last flush fails too; the run's outcome is said above
         monitor.stop()
-        host.close()
+        if host is not None:
+            host.close()
     progress.print_summary(run_dir, reason, last, saved, time.time() - started)
+    return 0
+
+
+def _start_host(plan: Plan, resume_from, record_placement: bool = False):
+    """Build the algorithm where the plan says and restore it from `resume_from` (a CheckpointInfo or None)."""
+    from rlplatform.run import algorithm_host
+    from rlplatform.run.algorithm_host import HostFailed
+
+    host = None
+    try:
+        host = algorithm_host.start(plan.config, plan.bundles, plan.main_process_resources, plan.resources.describe(),
+                                    in_driver=plan.algorithm_in_driver)
+        if record_placement:
+            rundir.record_start(plan.run_dir, "placement", {"algorithm_node": host.call("node_id"), "algorithm_in": host.where,
+                                                            "env_runner_nodes": host.call("env_runner_nodes")})
+        if resume_from:
+            host.call("restore", str(resume_from.path.resolve()))
+    except HostFailed as exc:
+        if host is not None:
+            host.close()
+        raise TrainingFailed(f"the algorithm could not be built: {exc}") from None
+    return host
+
+
+def _record_restart(run_dir: Path, restarts: list[dict[str, Any]], exc: BaseException, checkpoints: CheckpointManager,
+                    max_failures: int):
+    """The training step failed: note it in the manifest and pick the newest checkpoint that verifies and loads
+    (None: no checkpoint yet, the run starts over)."""
+    from rlplatform.adapter.policy import check_loads
+    from rlplatform.errors import UserError
+    from rlplatform.run.checkpoints import first_usable, list_checkpoints, newest_first
+
+    try:
+        resume_from = first_usable(newest_first(list_checkpoints(checkpoints.directory)),
+                                   lambda info: check_loads(info.path), checkpoints.directory)
+    except UserError:
+        resume_from = None
+    restarts.append({"at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "error": str(exc),
+                     "from_iteration": resume_from.iteration if resume_from else 0})
+    rundir.record_start(run_dir, "restarts", restarts)
+    progress.say(f"the training step failed: {exc}; restart {len(restarts)} of at most {max_failures}, "
+                 f"from {resume_from.path if resume_from else 'the start (no checkpoint yet)'}")
+    return resume_from
+
+
+def _rewind_to_start(run_dir: Path, checkpoints: CheckpointManager) -> int:
+    from rlplatform.run.metrics import rewind_record
+
+    rewind_record(run_dir, 0)
+    checkpoints.roll_back_after(0)
     return 0
 
 
