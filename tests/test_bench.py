@@ -112,7 +112,7 @@ def test_gpu_preset_refuses_a_machine_without_gpu(tmp_path):
 @pytest.mark.slow
 def test_gpu_preset_without_a_gpu_learner_measures_the_cpu_baseline(tmp_path):
     # The laptop profile keeps the learner on the CPU: the same Pong APPO learner, measured the same way.
-    result = run_cli("bench", "gpu", "--profile", "laptop", "--minutes", "1", "--warmup-minutes", "0.3",
+    result = run_cli("bench", "gpu", "--profile", "laptop", "--minutes", "0.6", "--warmup-minutes", "0.2",
                      "--set", "scale.envs_per_runner=1", "--set", "training.train_batch_size_per_learner=100",
                      "-o", tmp_path, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr

@@ -59,7 +59,8 @@ class RunnerKiller(threading.Thread):
 
     def stop(self) -> None:
         self._halt.set()
-        self.join(timeout=10)
+        if self.is_alive():
+            self.join(timeout=10)
 
 
 def _wait(predicate, timeout: float, proc: subprocess.Popen, what: str) -> None:
@@ -111,9 +112,11 @@ def test_a_run_survives_killed_runners_a_lost_node_and_a_killed_driver(tmp_path:
         out, _ = second.communicate(timeout=900)
         assert second.returncode == 0, out[-4000:]
     finally:
-        killer.stop()
-        for node in reversed(nodes):
-            node.stop()
+        try:
+            killer.stop()
+        finally:
+            for node in reversed(nodes):  # never leave a node running, whatever failed above
+                node.stop()
 
     rows = read_metrics(run_dir)
     assert [r["iteration"] for r in rows] == list(range(1, len(rows) + 1))  # each iteration exactly once

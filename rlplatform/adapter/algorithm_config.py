@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional
 
 from rlplatform import internals
 from rlplatform.config.env_ids import runner_env_id
-from rlplatform.config.schema import ExperimentConfig, ModelSection
+from rlplatform.config.schema import MAX_ACTORS, ExperimentConfig, ModelSection
 from rlplatform.errors import UserError, did_you_mean
 
 _CONFIG_CLASSES = {
@@ -206,13 +206,22 @@ def build_algorithm_config(config: ExperimentConfig, main_process_resources: Opt
             evaluation_duration_unit="episodes",
             evaluation_config=config_class(config.algorithm).overrides(explore=False),
         )
-    for method, kwargs in config.rllib.items():
-        getattr(algo_config, method)(**kwargs)
     try:
+        for method, kwargs in config.rllib.items():
+            getattr(algo_config, method)(**kwargs)
         algo_config.validate()
-    except (ValueError, TypeError) as exc:
-        raise UserError(f"RLlib rejected the configuration: {str(exc).strip().splitlines()[0]}") from None
+    except Exception as exc:  # RLlib's setters and checks raise anything on a value of the wrong shape
+        raise UserError(f"RLlib rejected the configuration: {_first_line(exc)}") from None
+    for name, count in (("env_runners.num_env_runners", algo_config.num_env_runners),
+                        ("learners.num_learners", algo_config.num_learners)):
+        if not isinstance(count, int) or count > MAX_ACTORS:  # the pass-through bypasses the schema's limit
+            raise UserError(f"RLlib rejected the configuration: {name} = {str(count)[:40]}: at most {MAX_ACTORS:,}")
     return algo_config
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return (text.splitlines()[0] if text else type(exc).__name__)[:300]
 
 
 def _learner_class(config: ExperimentConfig, speedups: bool) -> dict[str, Any]:
@@ -222,8 +231,11 @@ def _learner_class(config: ExperimentConfig, speedups: bool) -> dict[str, Any]:
 
 def resource_bundles(algo_config) -> list[dict[str, float]]:
     """The placement-group bundles RLlib asks for: [main process] + env runners + eval runners + learners."""
-    factory = algo_config.algo_class.default_resource_request(algo_config)
-    return [{k: float(v) for k, v in bundle.items() if v} for bundle in factory.bundles]
+    try:
+        factory = algo_config.algo_class.default_resource_request(algo_config)
+        return [{k: float(v) for k, v in bundle.items() if v} for bundle in factory.bundles]
+    except Exception as exc:  # resources given through the `rllib:` pass-through, of a shape RLlib cannot use
+        raise UserError(f"RLlib rejected the configuration's resources: {_first_line(exc)}") from None
 
 
 # RLlib deprecation messages (logged by `ray._common.deprecation`) that were read and judged: RLlib's own

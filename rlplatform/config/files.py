@@ -12,11 +12,11 @@ from pydantic import BaseModel
 from rlplatform.errors import UserError
 
 
-# What an experiment file may hold at most: deeper or (through aliases) bigger input is refused before it is
+# What an experiment file may hold at most: deeper input, and aliases that multiply it, are refused before it is
 # built, so that nothing after reading (validation, `--print-config`, the run's config.yaml) recurses or expands
 # without bound. A real experiment is a few levels deep and a few hundred values big.
 MAX_DEPTH = 100
-MAX_VALUES = 1_000_000
+MAX_ALIAS_VALUES = 100_000  # values that aliases add to what the text itself holds
 _MAX_INT_BITS = 13_000  # about 3,900 decimal digits: Python prints no integer of more than 4,300
 
 
@@ -24,7 +24,7 @@ class _Loader(yaml.SafeLoader):
     """PyYAML reads `1e-3` as a string (YAML 1.1); hyper-parameters are written that way, so accept it as a float.
 
     Bad input ends as a `yaml.YAMLError` with its place in the text, never as another exception: nesting deeper
-    than MAX_DEPTH, aliases that refer to their own collection or expand past MAX_VALUES, and values PyYAML
+    than MAX_DEPTH, aliases that refer to their own collection or add more than MAX_ALIAS_VALUES, and values PyYAML
     cannot build (the date 2001-13-45, `!!int abc`, an integer of 5,000 digits).
     """
 
@@ -87,7 +87,7 @@ def _children(node: yaml.Node) -> list[yaml.Node]:
 
 
 def _check_expansion(root: yaml.Node) -> None:
-    """Refuse a node graph that aliases make recursive, deeper than MAX_DEPTH or bigger than MAX_VALUES.
+    """Refuse a node graph that aliases make recursive, deeper than MAX_DEPTH or MAX_ALIAS_VALUES bigger.
 
     Walks each node once (an alias shares its anchor's node), without recursion.
     """
@@ -102,8 +102,6 @@ def _check_expansion(root: yaml.Node) -> None:
             path.discard(id(node))
             if depth > MAX_DEPTH:
                 raise yaml.composer.ComposerError(None, None, f"nested deeper than {MAX_DEPTH} levels (through aliases)", node.start_mark)
-            if size > MAX_VALUES:
-                raise yaml.composer.ComposerError(None, None, f"aliases expand this to more than {MAX_VALUES:,} values", node.start_mark)
             done[id(node)] = (size, depth)
         elif id(node) in path:
             raise yaml.composer.ComposerError(None, None, "an alias refers to the collection that holds it", node.start_mark)
@@ -111,6 +109,8 @@ def _check_expansion(root: yaml.Node) -> None:
             path.add(id(node))
             stack.append((node, True))
             stack.extend((child, False) for child in _children(node) if id(child) not in done)
+    if done[id(root)][0] - len(done) > MAX_ALIAS_VALUES:
+        raise yaml.composer.ComposerError(None, None, f"aliases add more than {MAX_ALIAS_VALUES:,} values", root.start_mark)
 
 
 def load_yaml_text(text: str) -> Any:

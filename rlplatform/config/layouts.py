@@ -32,8 +32,17 @@ def machine_key(cpus: float, gpus: float) -> str:
 
 
 def env_key(env: str, env_config: dict[str, Any]) -> str:
-    digest = hashlib.sha1(json.dumps(env_config, sort_keys=True, default=str).encode()).hexdigest()[:10]
+    digest = hashlib.sha1(json.dumps(_string_keys(env_config), sort_keys=True, default=str).encode()).hexdigest()[:10]
     return f"{env}|{digest}"
+
+
+def _string_keys(value: Any) -> Any:
+    """Mappings with keys of mixed types (YAML allows `{1: a, b: c}`) cannot be sorted as they are."""
+    if isinstance(value, dict):
+        return {str(k): _string_keys(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_string_keys(v) for v in value]
+    return value
 
 
 def _cpu_model() -> str:

@@ -173,6 +173,15 @@ class ExperimentConfig(Section):
             _check_names(kwargs, "a keyword-argument name")
         return value
 
+    @field_validator("env")
+    @classmethod
+    def _module_name(cls, value: str) -> str:
+        """`[module:]id`: the module (imported to register the id) must be one Python can import by name."""
+        module = value.rpartition(":")[0]
+        if module and not all(part.isidentifier() for part in module.split(".")):
+            raise ValueError(f"{module!r} is not a Python module name (the env is [module:]id, e.g. 'ale_py:ALE/Pong-v5')")
+        return value
+
     @field_validator("algorithm")
     @classmethod
     def _known_algorithm(cls, value: str) -> str:
