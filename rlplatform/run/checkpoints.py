@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterable, Optional
 
 from rlplatform.adapter.policy import is_rllib_checkpoint
 from rlplatform.errors import UserError
+from rlplatform.run.run_dir import library_versions
 
 MARKER = "rlplatform_checkpoint.json"
 PREFIX = "checkpoint_"
@@ -93,18 +94,6 @@ def verify(info: CheckpointInfo) -> Optional[str]:
         if file_digest(path) != expected["blake2b"]:
             return f"{name} has changed since it was written (BLAKE2b differs)"
     return None
-
-
-def library_versions() -> dict[str, Optional[str]]:
-    from importlib.metadata import PackageNotFoundError, version
-
-    found: dict[str, Optional[str]] = {"python": sys.version.split()[0]}
-    for package in ("ray", "torch", "rlplatform"):
-        try:
-            found[package] = version(package)
-        except PackageNotFoundError:
-            found[package] = None
-    return found
 
 
 def warn_if_other_ray(info: CheckpointInfo) -> None:

@@ -90,10 +90,10 @@ def train_loop(plan: Plan) -> int:
                     raise TrainingFailed(str(exc) if not restarts else f"{exc} (after {len(restarts)} restart(s))") from None
                 host.close()
                 host = None
-                resume_from = _record_restart(run_dir, restarts, exc, checkpoints, config.max_failures)
+                resume_from = _record_restart(run_dir, restarts, exc, config.max_failures)
                 host = _start_host(plan, resume_from)
                 _close_quietly(logger)
-                purge_step = _rewind(run_dir, resume_from, checkpoints) if resume_from else _rewind_to_start(run_dir, checkpoints)
+                purge_step = _rewind(run_dir, resume_from, checkpoints)
                 logger = RunLogger(run_dir, config, fresh=False, purge_step=purge_step)
                 window = EpisodeWindow.from_state(resume_from.meta.get("episode_window") if resume_from else None)
                 stall = StallGuard()
@@ -155,17 +155,14 @@ def _start_host(plan: Plan, resume_from, record_placement: bool = False):
     return host
 
 
-def _record_restart(run_dir: Path, restarts: list[dict[str, Any]], exc: BaseException, checkpoints: CheckpointManager,
-                    max_failures: int):
+def _record_restart(run_dir: Path, restarts: list[dict[str, Any]], exc: BaseException, max_failures: int):
     """The training step failed: note it in the manifest and pick the newest checkpoint that verifies and loads
     (None: no checkpoint yet, the run starts over)."""
-    from rlplatform.adapter.policy import check_loads
     from rlplatform.errors import UserError
-    from rlplatform.run.checkpoints import first_usable, list_checkpoints, newest_first
+    from rlplatform.run.plan import checkpoint_to_resume
 
     try:
-        resume_from = first_usable(newest_first(list_checkpoints(checkpoints.directory)),
-                                   lambda info: check_loads(info.path), checkpoints.directory)
+        resume_from = checkpoint_to_resume(run_dir)
     except UserError:
         resume_from = None
     restarts.append({"at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "error": str(exc),
@@ -174,14 +171,6 @@ def _record_restart(run_dir: Path, restarts: list[dict[str, Any]], exc: BaseExce
     progress.say(f"the training step failed: {exc}; restart {len(restarts)} of at most {max_failures}, "
                  f"from {resume_from.path if resume_from else 'the start (no checkpoint yet)'}")
     return resume_from
-
-
-def _rewind_to_start(run_dir: Path, checkpoints: CheckpointManager) -> int:
-    from rlplatform.run.metrics import rewind_record
-
-    rewind_record(run_dir, 0)
-    checkpoints.roll_back_after(0)
-    return 0
 
 
 NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG)
@@ -206,17 +195,19 @@ def _close_quietly(logger) -> None:
 
 
 def _rewind(run_dir: Path, resume_from, checkpoints: CheckpointManager) -> int:
-    """Every chart and table shows each iteration once: what the iterations after the checkpoint wrote
-    is set aside (metrics rows, checkpoints) or hidden (TensorBoard events, by the returned purge step)."""
+    """Every chart and table shows each iteration once: what the iterations after the checkpoint (after none:
+    every iteration, when the run starts over) wrote is set aside (metrics rows, checkpoints) or hidden
+    (TensorBoard events, by the returned purge step)."""
     from rlplatform.run.metrics import ROLLED_BACK_FILE, rewind_record
 
-    k = resume_from.iteration
+    k = resume_from.iteration if resume_from else 0
     rows, moved = rewind_record(run_dir, k), checkpoints.roll_back_after(k)
-    progress.say(f"resumed from {resume_from.path} (iteration {k})")
+    if resume_from:
+        progress.say(f"resumed from {resume_from.path} (iteration {k})")
     if rows or moved:
         progress.say(f"rolled back what came after iteration {k}: {rows} metrics row(s) to {ROLLED_BACK_FILE}, "
                      f"{len(moved)} checkpoint(s) to checkpoints/rolled_back/")
-    return resume_from.env_steps + 1
+    return resume_from.env_steps + 1 if resume_from else 0
 
 
 def _record_startup(run_dir: Path, startup: dict[str, float], first: dict[str, Any], now_s: float) -> None:

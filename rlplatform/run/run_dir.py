@@ -81,7 +81,7 @@ def write_manifest(run_dir: Path, config: ExperimentConfig, extra: dict[str, Any
         "started": dt.datetime.now().astimezone().isoformat(timespec="seconds"),
         "host": socket.gethostname(),
         "platform": platform.platform(),
-        "versions": _versions(),
+        "versions": library_versions(),
         "git_commit": _git_commit(),
         "seed": config.seed,
         **extra,
@@ -94,7 +94,7 @@ def write_manifest(run_dir: Path, config: ExperimentConfig, extra: dict[str, Any
     path.write_text(json.dumps(manifest, indent=1, default=str))
 
 
-def _versions() -> dict[str, Optional[str]]:
+def library_versions() -> dict[str, Optional[str]]:
     from importlib.metadata import PackageNotFoundError, version
 
     found: dict[str, Optional[str]] = {"python": platform.python_version()}
