@@ -47,7 +47,6 @@ def test_the_experiments_use_it():
 
     assert algo_config().learner_class is LeanPPOTorchLearner
     assert algo_config("speedups=false").learner_class is PPOTorchLearner
-    assert "Lean" not in algo_config(experiment="cartpole_dqn").learner_class.__name__
 
 
 def test_it_uses_fused_adam():

@@ -155,3 +155,26 @@ def test_max_failures_rebuilds_the_algorithm_from_its_newest_checkpoint_when_its
     assert restart["from_iteration"] in (2, 4, 6) and restart["error"]
     assert read_metrics(run_dir)[-1]["faults/run_restarts"] == 1
     assert [value for _, value in tensorboard_iterations(run_dir)] == list(range(1, 11))
+
+
+@pytest.mark.parametrize("experiment,speedups,restored", [("pendulum_sac", "true", True),
+                                                          ("cartpole_dqn", "false", False)])
+def test_an_off_policy_run_on_remote_runners_resumes_with_its_replay_buffer_or_says_it_starts_empty(
+        runs, experiment, speedups, restored):
+    sets = ["--set", f"speedups={speedups}", "--set", "scale.env_runners=2", "--set", "scale.envs_per_runner=1",
+            "--set", "hardware.cpus_per_env_runner=0.5",
+            "--set", "checkpoint.every=1", "--set", "training.num_steps_sampled_before_learning_starts=64"]
+    first = run_cli("train", str(ROOT / "experiments" / f"{experiment}.yaml"), "--runs-dir", runs, *UNTIL_CLOCK,
+                    *sets, "--set", "stop.iterations=2")
+    assert first.returncode == 0, first.stderr
+    run_dir = next(Path(runs).glob("*/*"))
+    second = run_cli("train", "--resume", run_dir, "--set", "stop.iterations=3")
+    assert second.returncode == 0, second.stdout + second.stderr
+    buffer_lines = [line for line in second.stdout.splitlines() if line.startswith("replay buffer:")]
+    assert len(buffer_lines) == 1, second.stdout
+    if restored:
+        stored = int(buffer_lines[0].split()[2].replace(",", ""))
+        assert stored >= 2 * 100 - 2 * 2  # two iterations of at least 100 env steps, n-step tails waiting
+    else:
+        assert "starts empty" in buffer_lines[0]
+    assert iterations(run_dir) == [1, 2, 3]

@@ -17,6 +17,7 @@ from typing import Any, Optional
 
 VERIFIED_RAY_VERSION = "2.60.0"
 LEAN_LEARNER_ALGORITHMS = ("PPO", "APPO", "IMPALA")
+LEAN_OFF_POLICY_ALGORITHMS = ("DQN", "SAC")
 _warned_versions: set[str] = set()
 
 
@@ -58,6 +59,8 @@ def active(config: Any, local_instance: bool) -> list[str]:
         names += ["lean_env_runner", "packed_episodes"]
     if config.algorithm in LEAN_LEARNER_ALGORITHMS:
         names.append("lean_learner")
+    if lean_off_policy_applies(config):
+        names += ["lean_off_policy", "flat_replay_buffer"]
     return names
 
 
@@ -79,8 +82,31 @@ def env_runner_class(config: Any) -> Optional[type]:
 
 
 def learner_class(config: Any) -> Optional[type]:
+    if lean_off_policy_applies(config):
+        from rlplatform.internals.lean_off_policy import LEAN_OFF_POLICY_LEARNERS
+
+        return LEAN_OFF_POLICY_LEARNERS[config.algorithm]
     if config.algorithm not in LEAN_LEARNER_ALGORITHMS:
         return None
     from rlplatform.internals.lean_learner import LEAN_LEARNERS
 
     return LEAN_LEARNERS[config.algorithm]
+
+
+def lean_off_policy_applies(config: Any) -> bool:
+    """DQN and SAC take the flat replay buffer and lean training step: single-agent, feed-forward, whole n_step."""
+    n_step = config.training.get("n_step", 1)
+    return (config.algorithm in LEAN_OFF_POLICY_ALGORITHMS and config.multi_agent is None
+            and not config.model.use_lstm and isinstance(n_step, int) and not isinstance(n_step, bool))
+
+
+def use_lean_off_policy(algo_config: Any) -> None:
+    """Point an RLlib DQN or SAC config at the lean algorithm class and the flat replay buffer.
+
+    The buffer's contents go into checkpoints (a few MB for the classic-control presets), so a
+    resumed run continues with the experience it had.
+    """
+    from rlplatform.internals.lean_off_policy import LEAN_ALGORITHMS
+
+    algo_config.algo_class = LEAN_ALGORITHMS[algo_config.algo_class.__name__]
+    algo_config.store_buffer_in_checkpoints = True

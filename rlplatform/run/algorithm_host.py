@@ -53,7 +53,15 @@ class AlgorithmHost:
 
     def restore(self, path: str) -> dict[str, Any]:
         self.algo.restore_from_path(path)
-        return {"iteration": self.algo.iteration}
+        return {"iteration": self.algo.iteration, "replay_buffer": self._replay_buffer_state()}
+
+    def _replay_buffer_state(self) -> Optional[dict[str, Any]]:
+        """An off-policy algorithm's buffer after a restore: what it holds and whether checkpoints carry it."""
+        buffer = getattr(self.algo, "local_replay_buffer", None)
+        if buffer is None:
+            return None
+        size = len(buffer) if hasattr(buffer, "__len__") else buffer.get_num_timesteps()
+        return {"transitions": int(size), "saved": bool(getattr(self.algo, "saves_replay_buffer", False))}
 
     def env_runner_nodes(self) -> list[str]:
         from rlplatform.adapter.env_runners import env_runner_node_ids

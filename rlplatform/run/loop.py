@@ -147,12 +147,22 @@ def _start_host(plan: Plan, resume_from, record_placement: bool = False):
             rundir.record_start(plan.run_dir, "placement", {"algorithm_node": host.call("node_id"), "algorithm_in": host.where,
                                                             "env_runner_nodes": host.call("env_runner_nodes")})
         if resume_from:
-            host.call("restore", str(resume_from.path.resolve()))
+            _say_replay_buffer(host.call("restore", str(resume_from.path.resolve())).get("replay_buffer"))
     except HostFailed as exc:
         if host is not None:
             host.close()
         raise TrainingFailed(f"the algorithm could not be built: {exc}") from None
     return host
+
+
+def _say_replay_buffer(state: Optional[dict[str, Any]]) -> None:
+    if state is None:
+        return
+    if state["saved"]:
+        progress.say(f"replay buffer: {state['transitions']:,} transitions restored from the checkpoint")
+    else:
+        progress.say("replay buffer: starts empty (RLlib's own buffers are not in its checkpoints; with "
+                     "`speedups: true` single-agent DQN and SAC keep theirs)")
 
 
 def _record_restart(run_dir: Path, restarts: list[dict[str, Any]], exc: BaseException, max_failures: int):
