@@ -101,7 +101,25 @@ def test_bad_bench_input_is_refused_before_ray_starts(tmp_path):
     assert_user_error(run_cli("bench", "solve", "--set", "stop.return_mean=null", "-o", tmp_path), "stop.return_mean")
     assert_user_error(run_cli("bench", "solve", "--set", "training.lrr=1", "-o", tmp_path), "training.lrr")
     assert_user_error(run_cli("bench", "soak", "--minutes", "1", "--warmup-minutes", "2", "-o", tmp_path), "--warmup-minutes")
+    assert_user_error(run_cli("bench", "learner", DEFAULT, "-o", tmp_path), "cartpole-ppo is PPO")
+    assert_user_error(run_cli("bench", "learner", "--rounds", "0", "-o", tmp_path), "--rounds")
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("experiment", ["cartpole_dqn", "pendulum_sac"])
+def test_learner_bench_times_the_lean_rllib_and_plain_torch_updates(tmp_path, experiment):
+    result = run_cli("bench", "learner", ROOT / "experiments" / f"{experiment}.yaml", "--seconds", "0.6", "--rounds", "1",
+                     "--warmup", "2", "--set", "model.hidden=[32,32]", "--set", "model.fusion_hidden=[32]",
+                     "-o", tmp_path, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    (path,) = tmp_path.glob("learner-*/learner.json")
+    data = json.loads(path.read_text())
+    rows = {r["way"]: r for r in data["results"]}
+    assert set(rows) == {"lean", "rllib", "torch"} and data["torch_threads"] == 1
+    for r in rows.values():
+        assert r["updates"] > 0 and r["ms_per_update"] == pytest.approx(1000 * r["seconds"] / r["updates"], rel=1e-3)
+        assert r["of_plain_torch"] == pytest.approx(r["updates_per_s"] / rows["torch"]["updates_per_s"])
+    assert data["updates_per_learner_call"] == (32 if experiment == "cartpole_dqn" else 1)
 
 
 @pytest.mark.skipif(has_cuda(), reason="this machine has a GPU: there `rlplatform bench gpu` runs the preset for real")

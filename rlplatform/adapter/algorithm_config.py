@@ -148,6 +148,8 @@ def model_config(config: ExperimentConfig, model: Optional[ModelSection] = None)
         lstm_cell_size=m.lstm_cell_size,
         max_seq_len=m.max_seq_len,
         head_fcnet_hiddens=list(m.head_hidden),
+        fusionnet_hiddens=list(m.fusion_hidden),
+        fusionnet_activation=m.fusion_activation,
     )
 
 

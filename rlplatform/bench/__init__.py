@@ -3,6 +3,7 @@
 - `throughput`: the env's raw stepping limit, then RLlib sampling per layout (learning off).
 - `solve`: wall time and env steps until the experiment's stop return, per seed, start-up apart.
 - `soak`: resident memory of the driver and every runner and learner over a long run.
+- `learner`: DQN/SAC learner updates per second: the lean learner, RLlib's, and plain torch.
 - `gpu`: the Atari Pong APPO preset on a GPU learner: learner throughput and GPU utilisation.
 """
 
@@ -10,9 +11,9 @@ from __future__ import annotations
 
 
 def add_parser(subparsers) -> None:
-    from rlplatform.bench import gpu, soak, solve, throughput
+    from rlplatform.bench import gpu, learner, soak, solve, throughput
 
-    p = subparsers.add_parser("bench", help="benchmarks: sampling throughput, time to solve, memory soak, GPU learner")
-    verbs = p.add_subparsers(dest="bench_verb", metavar="{throughput,solve,soak,gpu}", required=True, parser_class=type(p))
-    for verb in (throughput, solve, soak, gpu):
+    p = subparsers.add_parser("bench", help="benchmarks: sampling throughput, time to solve, memory soak, learner updates, GPU learner")
+    verbs = p.add_subparsers(dest="bench_verb", metavar="{throughput,solve,soak,learner,gpu}", required=True, parser_class=type(p))
+    for verb in (throughput, solve, soak, learner, gpu):
         verb.add_verb(verbs)

@@ -37,6 +37,9 @@ class ModelSection(Section):
     lstm_cell_size: int = Field(256, gt=0)
     max_seq_len: int = Field(20, gt=0)
     head_hidden: list[int] = Field(default_factory=list)
+    # SAC's Q networks: the layers after the observation and action encoders (RLlib's fusionnet_hiddens).
+    fusion_hidden: list[int] = Field(default_factory=lambda: [256, 256])
+    fusion_activation: Literal["tanh", "relu", "swish", "silu", "elu", "linear"] = "tanh"
 
 
 class ScaleSection(Section):
