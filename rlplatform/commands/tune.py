@@ -73,8 +73,8 @@ def _fit(sp, sweep_dir: Path, resumed: bool) -> int:
     else:
         tuner = tune.Tuner(trainable, param_space=sweep.param_space(sp), tune_config=sweep.tune_config(sp),
                            run_config=sweep.run_config(sp, sweep_dir))
-    results = tuner.fit()
-    rows = sweep.results_table(results, sweep_dir, sp.search, sp.yaml_keys)
+    tuner.fit()
+    rows = sweep.results_table(sweep_dir, sp.search, sp.yaml_keys)
     sweep.write_results(rows, sweep_dir, sp.search.metric)
     sweep.print_results(rows, sweep_dir, sp.search.metric)
     unfinished = [r for r in rows if r["stopped"].startswith("interrupted")]

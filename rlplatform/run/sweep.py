@@ -11,6 +11,7 @@ experiment with its search) and the results table (`results.csv`, `results.json`
 from __future__ import annotations
 
 import csv
+import importlib.util
 import json
 import math
 import os
@@ -33,7 +34,6 @@ from rlplatform.run.plan import Plan, make_plan
 SEARCH_FILE = "search.yaml"
 RESULTS_CSV = "results.csv"
 RESULTS_JSON = "results.json"
-STOP_REASONS_FILE = "stop_reasons.json"  # why each finished trial stopped, kept across a resume
 
 
 @dataclass
@@ -74,6 +74,8 @@ def plan_sweep(resolved: ResolvedExperiment, resources: Resources, samples: Opti
                 message = str(exc)
                 prefix = f"{source}: search.space.{key}"
                 raise UserError(message if message.startswith(prefix) else f"{prefix} = {value!r}: {message}") from None
+    if search.searcher == "optuna" and importlib.util.find_spec("optuna") is None:
+        raise UserError(f'{source}: search.searcher optuna needs Optuna: pip install -e ".[tune]"')
     fit = trials_that_fit(plan.bundles, resources)
     concurrent = fit if search.concurrent == "auto" else search.concurrent
     yaml_keys = frozenset(k for k, d in _all_distributions(search).items()
@@ -163,13 +165,12 @@ def scheduler(sp: SweepPlan):
 
 
 def searcher(sp: SweepPlan):
-    if sp.search.searcher != "optuna":
-        return None  # Tune's BasicVariantGenerator: random samples, grid points
-    try:
-        from ray.tune.search.optuna import OptunaSearch
-        import optuna  # noqa: F401
-    except ImportError:
-        raise UserError('searcher optuna needs Optuna: pip install -e ".[tune]"') from None
+    if sp.search.searcher != "optuna":  # random samples and grid points, seeded: a sweep draws the same trials again
+        from ray.tune.search import BasicVariantGenerator
+
+        return BasicVariantGenerator(random_state=sp.plan.config.seed)
+    from ray.tune.search.optuna import OptunaSearch
+
     return OptunaSearch(seed=sp.plan.config.seed)
 
 
@@ -208,7 +209,7 @@ def run_config(sp: SweepPlan, sweep_dir: Path):
         name=sweep_dir.name, storage_path=str(sweep_dir.parent.resolve()), verbose=0,
         checkpoint_config=tune.CheckpointConfig(checkpoint_frequency=config.checkpoint.every, checkpoint_at_end=True),
         failure_config=tune.FailureConfig(max_failures=config.max_failures),
-        callbacks=[SweepConsole(sweep_dir, sp.search.metric, sp.search.scheduler)],
+        callbacks=[SweepConsole(sp.search.metric, sp.search.scheduler)],
     )
 
 
@@ -235,37 +236,41 @@ def quiet_tune() -> None:
 
 
 class SweepConsole(tune.Callback):
-    """One line per trial that finishes, is stopped early by the scheduler or fails; why each stopped is kept in
-    the sweep directory for the results table (a resumed sweep's finished trials included)."""
+    """One line per trial that finishes, is stopped early by the scheduler or fails."""
 
-    def __init__(self, sweep_dir: Path, metric: str, scheduler_name: str):
-        self.sweep_dir, self.metric, self.scheduler_name = Path(sweep_dir), metric, scheduler_name
+    def __init__(self, metric: str, scheduler_name: str):
+        self.metric, self.scheduler_name = metric, scheduler_name
 
     def on_trial_complete(self, iteration: int, trials: list, trial, **info) -> None:
-        result = trial.last_result or {}
-        reason = result.get("stop_reason") or f"stopped early by {self.scheduler_name.upper()}"
-        self._record(trial, reason, result)
+        self._say(trial, stop_reason(trial, self.scheduler_name, status="TERMINATED"))  # Tune sets it after this
 
     def on_trial_error(self, iteration: int, trials: list, trial, **info) -> None:
-        self._record(trial, f"error: {_error_line(trial)}", trial.last_result or {})
+        self._say(trial, stop_reason(trial, self.scheduler_name, status="ERROR"))
 
-    def _record(self, trial, reason: str, result: dict[str, Any]) -> None:
+    def _say(self, trial, reason: str) -> None:
         from rlplatform.run.trial import trial_dirname
 
-        reasons = read_stop_reasons(self.sweep_dir)
-        reasons[trial.trial_id] = reason
-        (self.sweep_dir / STOP_REASONS_FILE).write_text(json.dumps(reasons, indent=1))
-        value = result.get(self.metric)
+        result = trial.last_result or {}
         params = "  ".join(f"{_short_key(k)}={_fmt_param(v)}" for k, v in trial.config.items())
         progress.console.print(
             f"[bold]{trial_dirname(trial.trial_id)}[/]  it {result.get('training_iteration', 0):>4}  "
-            f"steps {int(result.get('env_steps', 0)):>9,}  {self.metric} [cyan]{progress.fmt(value, '.2f')}[/]  "
+            f"steps {int(result.get('env_steps', 0)):>9,}  {self.metric} [cyan]{progress.fmt(result.get(self.metric), '.2f')}[/]  "
             f"{escape(params)}  [dim]{escape(reason)}[/]")
+
+
+def stop_reason(trial, scheduler_name: str, status: Optional[str] = None) -> str:
+    """Why a trial stopped, from Tune's record of it: its own stop criterion, the scheduler, an error, or not yet."""
+    result, status = trial.last_result or {}, status or trial.status
+    if status == "ERROR":
+        return f"error: {_error_line(trial)}"
+    if status != "TERMINATED":
+        return "interrupted (resume with tune --resume)"
+    return result.get("stop_reason") or f"stopped early by {scheduler_name.upper()}"
 
 
 def _error_line(trial) -> str:
     text = ""
-    if getattr(trial, "error_file", None) and Path(trial.error_file).is_file():
+    if trial.error_file and Path(trial.error_file).is_file():
         text = Path(trial.error_file).read_text()
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     return lines[-1][:300] if lines else "the trial failed"
@@ -276,31 +281,23 @@ def _short_key(key: str) -> str:
 
 
 def _fmt_param(value: Any) -> str:
-    return f"{value:.3g}" if isinstance(value, float) else str(value)
+    return "-" if value is None else f"{value:.3g}" if isinstance(value, float) else str(value)
 
 
-def read_stop_reasons(sweep_dir: Path) -> dict[str, str]:
-    path = sweep_dir / STOP_REASONS_FILE
-    return json.loads(path.read_text()) if path.is_file() else {}
-
-
-def results_table(result_grid, sweep_dir: Path, search: SearchSection, yaml_keys: frozenset[str]) -> list[dict[str, Any]]:
-    """One row per trial, best first: its run directory, parameters, the metric, env steps, wall time, why it stopped."""
+def results_table(sweep_dir: Path, search: SearchSection, yaml_keys: frozenset[str]) -> list[dict[str, Any]]:
+    """One row per trial, best first: its run directory, parameters, the metric (its last value), env steps,
+    wall time and why it stopped, from the sweep's experiment state (Tune's ExperimentAnalysis)."""
     from rlplatform.run.trial import decode_params, trial_dirname
 
-    reasons = read_stop_reasons(sweep_dir)
     rows = []
-    for result in result_grid:
-        metrics = result.metrics or {}
-        trial_id = metrics.get("trial_id") or Path(result.path).name
-        trial = trial_dirname(trial_id)
-        reason = reasons.get(trial_id) or (f"error: {str(result.error).strip().splitlines()[-1][:300]}" if result.error
-                                           else "interrupted (resume with tune --resume)")
-        rows.append({"trial": trial, "run_dir": str(sweep_dir / trial),
-                     "params": decode_params(dict(result.config or {}), yaml_keys),
+    for trial in tune.ExperimentAnalysis(str(sweep_dir)).trials:
+        metrics = trial.last_result or {}
+        name = trial_dirname(trial.trial_id)
+        rows.append({"trial": name, "run_dir": str(sweep_dir / name),
+                     "params": decode_params(dict(trial.config or {}), yaml_keys),
                      search.metric: metrics.get(search.metric), "iterations": metrics.get("training_iteration"),
                      "env_steps": metrics.get("env_steps"), "wall_time_s": metrics.get("wall_time_s"),
-                     "stopped": reason})
+                     "stopped": stop_reason(trial, search.scheduler)})
     sign = 1 if search.mode == "max" else -1
     return sorted(rows, key=lambda r: (r[search.metric] is None or math.isnan(r[search.metric]),
                                        -sign * (r[search.metric] or 0.0), r["trial"]))
