@@ -89,6 +89,27 @@ def test_trials_that_fit_packs_bundles_per_node():
     assert trials_that_fit([{"CPU": 1, "GPU": 1}], Resources(cpus=8, gpus=0, nodes=[{"CPU": 8, "GPU": 0}])) == 0
 
 
+def test_cluster_submit_runs_a_sweep_as_a_job_and_finds_its_directory():
+    import shlex
+
+    from rlplatform.infra.jobs import run_dir_from_logs, train_entrypoint
+
+    entrypoint = train_entrypoint("python", "experiments/cartpole_ppo_tune.yaml", ["search.samples=4"], None, "auto",
+                                  "/mnt/shared/runs", verb="tune")
+    assert shlex.split(entrypoint) == ["python", "-m", "rlplatform", "tune", "experiments/cartpole_ppo_tune.yaml",
+                                       "--set", "search.samples=4", "--address", "auto", "--runs-dir", "/mnt/shared/runs"]
+    logs = "rlplatform tune PPO on CartPole-v1: ...\nsweep directory: /mnt/shared/runs/x/2026-01-01_00-00-00\nbest trial: ..."
+    assert run_dir_from_logs(logs) == "/mnt/shared/runs/x/2026-01-01_00-00-00"
+
+
+def test_submit_tune_needs_a_search_section(tmp_path, capsys):
+    (tmp_path / "plain.yaml").write_text(yaml.safe_dump({**TINY, "name": "plain"}))
+    code = main(["cluster", "submit", str(tmp_path / "plain.yaml"), "--address", "http://127.0.0.1:1",
+                 "--working-dir", str(tmp_path), "--tune"])
+    err = capsys.readouterr().err
+    assert code == 2 and "no search section to sweep" in err and len(err.strip().splitlines()) == 1
+
+
 # ----------------------------------------------------------------------------- real sweeps, one Ray instance
 
 
