@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from rlplatform.config.experiment import ResolvedExperiment, resolve_experiment
-from rlplatform.config.files import read_yaml
+from rlplatform.config.files import read_yaml, to_yaml
 from rlplatform.config.schema import validate
 from rlplatform.config.sizing import local_resources
 from rlplatform.errors import UserError
@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
         resources = local_ray.connect(args.address) if args.address else _resources_here()
         sp = sweep.plan_sweep(resolved, resources, args.samples, resize=not args.resume)
         if args.print_config:
-            print(sweep.to_yaml(sp.plan.config), end="")
+            print(to_yaml(sp.plan.config), end="")
             return 0
         sweep_dir = args.resume.resolve() if args.resume else rundir.new_run_dir(args.runs_dir, sp.plan.config.name).resolve()
         sweep.write_search_config(sweep_dir, sp.plan.config)

@@ -50,6 +50,7 @@ def plan_sweep(resolved: ResolvedExperiment, resources: Resources, samples: Opti
     """Everything that can fail on bad input, before Ray starts. `resize`: False for a resumed sweep, which
     keeps the size it started with."""
     from rlplatform.adapter import algorithm_config
+    from rlplatform.run.trial import trial_config
 
     source = str(resolved.source)
     search = resolved.config.search
@@ -65,8 +66,6 @@ def plan_sweep(resolved: ResolvedExperiment, resources: Resources, samples: Opti
     base = plan.config.model_dump()
     for key, dist in _all_distributions(search).items():
         for value in _representatives(dist):
-            from rlplatform.run.trial import trial_config
-
             try:
                 config = trial_config(base, {key: value}, source=f"{source}: search.space.{key}")
                 algorithm_config.check(config)

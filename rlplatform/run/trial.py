@@ -105,8 +105,10 @@ class RunTrial(tune.Trainable):
 
         if Path(checkpoint["run_dir"]) == self.run_dir:
             self._resume_from = checkpoint_to_resume(self.run_dir)  # the newest: a stop may have written a later one
-        else:  # PBT: continue from another trial's checkpoint, with this trial's (perturbed) parameters
+        elif Path(checkpoint["checkpoint"]).is_dir():  # PBT: another trial's weights, this trial's (perturbed) values
             self._resume_from = checked(read_checkpoint(Path(checkpoint["checkpoint"])), lambda info: check_loads(info.path))
+        else:  # that trial has since pruned it (checkpoint.keep_last): its newest that verifies
+            self._resume_from = checkpoint_to_resume(Path(checkpoint["run_dir"]))
 
     def cleanup(self) -> None:
         """Stopped (finished, by the scheduler, Ctrl-C, a PBT exploit): checkpoint the last iteration if it is not."""
