@@ -102,12 +102,16 @@ def test_cluster_submit_runs_a_sweep_as_a_job_and_finds_its_directory():
     assert run_dir_from_logs(logs) == "/mnt/shared/runs/x/2026-01-01_00-00-00"
 
 
-def test_submit_tune_needs_a_search_section(tmp_path, capsys):
+def test_submit_tune_needs_a_search_section(tmp_path):
+    from rlplatform.cli import build_parser
+    from rlplatform.errors import UserError
+
     (tmp_path / "plain.yaml").write_text(yaml.safe_dump({**TINY, "name": "plain"}))
-    code = main(["cluster", "submit", str(tmp_path / "plain.yaml"), "--address", "http://127.0.0.1:1",
-                 "--working-dir", str(tmp_path), "--tune"])
-    err = capsys.readouterr().err
-    assert code == 2 and "no search section to sweep" in err and len(err.strip().splitlines()) == 1
+    # The verb itself, not `main`: `main` with --address switches this process to token mode for joining a cluster.
+    args = build_parser().parse_args(["cluster", "submit", str(tmp_path / "plain.yaml"), "--address",
+                                      "http://127.0.0.1:1", "--working-dir", str(tmp_path), "--tune"])
+    with pytest.raises(UserError, match="no search section to sweep"):
+        args.func(args)
 
 
 # ----------------------------------------------------------------------------- real sweeps, one Ray instance

@@ -15,6 +15,7 @@ import importlib.util
 import json
 import math
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -229,6 +230,8 @@ def quiet_tune() -> None:
     os.environ.setdefault("TUNE_DISABLE_STRICT_METRIC_CHECKING", "1")
     os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
     os.environ.setdefault("TUNE_MAX_PENDING_TRIALS_PG", "1")
+    # A trial's Algorithm cannot take new values in place (RLlib's Algorithm has no reset_config): PBT restarts it.
+    warnings.filterwarnings("ignore", message="Consider boosting PBT performance")
 
 
 # ----------------------------------------------------------------------------- console and results
