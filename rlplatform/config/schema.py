@@ -12,6 +12,7 @@ from typing import Any, Literal, Optional, Union, get_args, get_origin
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from rlplatform.config.files import MAX_DEPTH
+from rlplatform.config.search import SearchSection
 from rlplatform.errors import UserError, did_you_mean
 
 SCHEMA_VERSION = 1
@@ -148,6 +149,8 @@ class ExperimentConfig(Section):
     # A training step that fails (a learner or the algorithm's actor lost, the env runners exhausted) rebuilds
     # the algorithm from the newest checkpoint that verifies, up to this many times (`train --max-failures`).
     max_failures: int = Field(0, ge=0)
+    # What `rlplatform tune` searches (config/search.py); `train` runs the experiment as it is and ignores it.
+    search: Optional[SearchSection] = None
 
     @model_validator(mode="before")
     @classmethod

@@ -20,6 +20,15 @@ def load_rows(run_dir: Path) -> list[dict]:
     return rows
 
 
+def expand_sweeps(run_dirs: list[Path]) -> list[Path]:
+    """A sweep directory (it holds the sweep's search.yaml, `rlplatform tune`) stands for its trials' run directories."""
+    expanded = []
+    for d in run_dirs:
+        trials = sorted(t for t in d.glob("trial_*") if (t / "metrics.jsonl").is_file()) if (d / "search.yaml").is_file() else []
+        expanded.extend(trials or [d])
+    return expanded
+
+
 def run_label(run_dir: Path) -> str:
     return f"{run_dir.resolve().parent.name}/{run_dir.resolve().name}"
 

@@ -7,7 +7,7 @@ every chart has data (no GPU chart on a CPU run, no eval line without evaluation
 from __future__ import annotations
 
 import re
-from typing import Any, Iterable
+from typing import Any, Iterable, Optional
 
 from rlplatform.config.schema import ExperimentConfig
 
@@ -78,10 +78,14 @@ def hparams_of(config: ExperimentConfig) -> dict[str, Any]:
     return values
 
 
-def write_hparams(writer, config: ExperimentConfig) -> None:
-    """The run's HParams record; its metrics are the run's own scalars under HPARAM_METRICS."""
+def write_hparams(writer, config: ExperimentConfig, extra: Optional[dict[str, Any]] = None) -> None:
+    """The run's HParams record; its metrics are the run's own scalars under HPARAM_METRICS. `extra`: more values
+    (a sweep trial's searched keys), lists shown as text as `model.hidden` is."""
     from torch.utils.tensorboard.summary import hparams
 
-    experiment, session_start, session_end = hparams(hparams_of(config), {m: 0.0 for m in HPARAM_METRICS})
+    values = hparams_of(config)
+    for key, value in (extra or {}).items():
+        values[key] = value if isinstance(value, (bool, int, float, str)) else str(value)
+    experiment, session_start, session_end = hparams(values, {m: 0.0 for m in HPARAM_METRICS})
     for summary in (experiment, session_start, session_end):
         writer.file_writer.add_summary(summary)

@@ -21,7 +21,7 @@ WORKING_DIR_EXCLUDES = [
     ".git", ".venv", "venv", "runs", "videos", "test-artifacts", ".pytest_cache", ".benchmarks",
     "**/__pycache__", "*.egg-info", "build", "dist", "*.mp4", "*.png", "docker", ".ci",
 ]
-RUN_DIR_LINE = re.compile(r"^run directory: (.+?)\s*$", re.MULTILINE)
+RUN_DIR_LINE = re.compile(r"^(?:run|sweep) directory: (.+?)\s*$", re.MULTILINE)
 AGENT_WAIT_S = 90.0  # a head that has just started may not have its job agent yet
 
 
@@ -51,10 +51,10 @@ def job_client(address: str):
 
 
 def train_entrypoint(python: str, experiment: Optional[str], overrides: Sequence[str], profile: Optional[str],
-                     ray_address: str, runs_dir: str) -> str:
-    """The job's shell command: `python -m rlplatform train ...`, every argument quoted except a leading
-    `$HOME/` of `runs_dir`, left for the head's shell to expand."""
-    parts = [shlex.quote(python), "-m", "rlplatform", "train"]
+                     ray_address: str, runs_dir: str, verb: str = "train") -> str:
+    """The job's shell command: `python -m rlplatform train ...` (or `tune ...`, a sweep), every argument quoted
+    except a leading `$HOME/` of `runs_dir`, left for the head's shell to expand."""
+    parts = [shlex.quote(python), "-m", "rlplatform", verb]
     if experiment:
         parts.append(shlex.quote(experiment))
     for text in overrides:
@@ -94,6 +94,10 @@ def wait_finished(client, job_id: str, timeout_s: float = 60.0) -> str:
         time.sleep(1.0)
         status = str(client.get_job_status(job_id))
     return status.rsplit(".", 1)[-1]
+
+
+def is_sweep_log(logs: str) -> bool:
+    return "sweep directory: " in logs
 
 
 def run_dir_from_logs(logs: str) -> Optional[str]:

@@ -54,83 +54,125 @@ def stop_reason(config: ExperimentConfig, m: dict[str, Any], window_full: bool, 
     return None
 
 
+class RunSession:
+    """A run between iterations: the algorithm host, the 100-episode window, the logger, the system monitor and
+    the checkpoints. `train_loop` drives one until a stop reason; a Tune trial (`run/trial.py`) drives one an
+    iteration per Tune step. Either way the run directory is written the same way."""
+
+    def __init__(self, plan: Plan, started: float, resume_from=None, record_placement: bool = True,
+                 hparams: Optional[dict[str, Any]] = None):
+        from rlplatform.infra.system_monitor import SystemMonitor
+        from rlplatform.run.metrics import EpisodeWindow, RunLogger
+
+        self.plan, self.config, self.run_dir, self.started = plan, plan.config, plan.run_dir, started
+        self.host = _start_host(plan, resume_from, record_placement=record_placement)
+        self.window, self.wall_before = EpisodeWindow(), 0.0
+        self.checkpoints = CheckpointManager(self.run_dir / "checkpoints", self.config.checkpoint.keep_last,
+                                             self.config.checkpoint.keep_best)
+        purge_step = None
+        if resume_from:
+            self.window = EpisodeWindow.from_state(resume_from.meta.get("episode_window"))
+            self.wall_before = float(resume_from.meta.get("wall_time_s", 0.0))
+            purge_step = _rewind(self.run_dir, resume_from, self.checkpoints)
+        self._hparams = hparams
+        self.logger = RunLogger(self.run_dir, self.config, fresh=resume_from is None, purge_step=purge_step, hparams=hparams)
+        self.monitor = SystemMonitor(object_store=self.config.speedups)
+        self.stall = StallGuard()
+        self.last: Optional[dict[str, Any]] = None
+        self.restarts: list[dict[str, Any]] = []
+
+    def iterate(self) -> dict[str, Any]:
+        """One training step: the algorithm's result in our tags, with the window, the system readings and the
+        wall time, logged. Raises HostFailed when the step fails (see `restart`)."""
+        m = self.host.call("train")
+        self.window.add(m.pop("episode_returns"), m.pop("episode_lengths"))
+        wall_s = self.wall_before + time.time() - self.started
+        m.update(self.window.summary(), **self.monitor.sample(), wall_time_s=wall_s, timestamp=time.time())
+        if self.config.max_failures:
+            m["faults/run_restarts"] = len(self.restarts)
+        self.logger.log(m)
+        self.last = m
+        self.stall.update(m)
+        return m
+
+    def stop_reason(self, m: dict[str, Any]) -> Optional[str]:
+        return stop_reason(self.config, m, self.window.full, m["wall_time_s"])
+
+    def restart(self, exc: BaseException) -> None:
+        """The training step failed: rebuild the algorithm from the newest checkpoint that verifies (within
+        `max_failures`), else raise TrainingFailed."""
+        from rlplatform.run.metrics import EpisodeWindow, RunLogger
+
+        if len(self.restarts) >= self.config.max_failures:
+            raise TrainingFailed(str(exc) if not self.restarts else f"{exc} (after {len(self.restarts)} restart(s))") from None
+        self.host.close()
+        self.host = None
+        resume_from = _record_restart(self.run_dir, self.restarts, exc, self.config.max_failures)
+        self.host = _start_host(self.plan, resume_from)
+        _close_quietly(self.logger)
+        purge_step = _rewind(self.run_dir, resume_from, self.checkpoints)
+        self.logger = RunLogger(self.run_dir, self.config, fresh=False, purge_step=purge_step)
+        self.window = EpisodeWindow.from_state(resume_from.meta.get("episode_window") if resume_from else None)
+        self.stall = StallGuard()
+
+    def save(self, m: dict[str, Any]) -> Path:
+        """A complete-or-nothing checkpoint of iteration `m`; a write that fails ends the run (TrainingFailed)."""
+        from rlplatform.run.algorithm_host import HostFailed
+
+        try:
+            return self.checkpoints.save(
+                lambda path: self.host.call("save", path),
+                iteration=m["iteration"], env_steps=m["env_steps"], score=_score(m),
+                meta={"wall_time_s": m["wall_time_s"], "episode_window": self.window.state(),
+                      "config": self.config.model_dump()},
+            )
+        except (OSError, HostFailed) as exc:
+            raise TrainingFailed(_checkpoint_failed(f"checkpoint {m['iteration']} could not be written", exc, self.checkpoints)) from None
+
+    def close(self) -> None:
+        _close_quietly(self.logger)  # on a full disk its last flush fails too; the run's outcome is said elsewhere
+        self.monitor.stop()
+        if self.host is not None:
+            self.host.close()
+            self.host = None
+
+
 def train_loop(plan: Plan) -> int:
-    from rlplatform.infra.system_monitor import SystemMonitor
     from rlplatform.run.algorithm_host import HostFailed
-    from rlplatform.run.metrics import EpisodeWindow, RunLogger
 
     config, run_dir = plan.config, plan.run_dir
     started = command_start_time()  # wall time counts from the command's start, Ray start-up included
     progress.print_start(run_dir, config, plan.resources.describe())
     if plan.layout_note:
         progress.say(plan.layout_note)
-    host = _start_host(plan, plan.resume_from, record_placement=True)
+    session = RunSession(plan, started, plan.resume_from)
     stop_flag = StopFlag()
-    window, wall_before = EpisodeWindow(), 0.0
-    checkpoints = CheckpointManager(run_dir / "checkpoints", config.checkpoint.keep_last, config.checkpoint.keep_best)
-    purge_step = None
-    if plan.resume_from:
-        window = EpisodeWindow.from_state(plan.resume_from.meta.get("episode_window"))
-        wall_before = float(plan.resume_from.meta.get("wall_time_s", 0.0))
-        purge_step = _rewind(run_dir, plan.resume_from, checkpoints)
-    logger = RunLogger(run_dir, config, fresh=plan.resume_from is None, purge_step=purge_step)
-    monitor = SystemMonitor(object_store=config.speedups)
     startup = {"ray_ready_s": (plan.ray_ready_at or started) - started, "algorithm_ready_s": time.time() - started}
-    last: Optional[dict[str, Any]] = None
     saved: Optional[Path] = None
-    stall = StallGuard()
     reason = None
-    restarts: list[dict[str, Any]] = []
     try:
         while reason is None:
             try:
-                m = host.call("train")
+                m = session.iterate()
             except HostFailed as exc:
-                if len(restarts) >= config.max_failures:
-                    raise TrainingFailed(str(exc) if not restarts else f"{exc} (after {len(restarts)} restart(s))") from None
-                host.close()
-                host = None
-                resume_from = _record_restart(run_dir, restarts, exc, config.max_failures)
-                host = _start_host(plan, resume_from)
-                _close_quietly(logger)
-                purge_step = _rewind(run_dir, resume_from, checkpoints)
-                logger = RunLogger(run_dir, config, fresh=False, purge_step=purge_step)
-                window = EpisodeWindow.from_state(resume_from.meta.get("episode_window") if resume_from else None)
-                stall = StallGuard()
+                session.restart(exc)
                 continue
-            window.add(m.pop("episode_returns"), m.pop("episode_lengths"))
-            wall_s = wall_before + time.time() - started
-            m.update(window.summary(), **monitor.sample(), wall_time_s=wall_s, timestamp=time.time())
-            if config.max_failures:
-                m["faults/run_restarts"] = len(restarts)
-            logger.log(m)
             progress.print_iteration(m, config.scale.env_runners)
-            if last is None:
+            if startup is not None:  # the first iteration
                 _record_startup(run_dir, startup, m, time.time() - started)
-            last = m
-            stall.update(m)
-            reason = stop_reason(config, m, window.full, wall_s) or stop_flag.reason
+                startup = None
+            reason = session.stop_reason(m) or stop_flag.reason
             every = config.checkpoint.every
             if reason is not None or (every and m["iteration"] % every == 0):
-                try:
-                    saved = checkpoints.save(
-                        lambda path: host.call("save", path),
-                        iteration=m["iteration"], env_steps=m["env_steps"], score=_score(m),
-                        meta={"wall_time_s": wall_s, "episode_window": window.state(), "config": config.model_dump()},
-                    )
-                except (OSError, HostFailed) as exc:
-                    raise TrainingFailed(_checkpoint_failed(f"checkpoint {m['iteration']} could not be written", exc, checkpoints)) from None
+                saved = session.save(m)
     except OSError as exc:
         if exc.errno not in NO_ROOM:
             raise
-        raise TrainingFailed(_checkpoint_failed("cannot write to the run directory", exc, checkpoints)) from None
+        raise TrainingFailed(_checkpoint_failed("cannot write to the run directory", exc, session.checkpoints)) from None
     finally:
         stop_flag.restore()
-        _close_quietly(logger)  # on a full disk its last flush fails too; the run's outcome is said above
-        monitor.stop()
-        if host is not None:
-            host.close()
-    progress.print_summary(run_dir, reason, last, saved, time.time() - started)
+        session.close()
+    progress.print_summary(run_dir, reason, session.last, saved, time.time() - started)
     return 0
 
 

@@ -66,9 +66,11 @@ class RunLogger:
     iteration (from the tags it really logs); a resumed run already has both.
     """
 
-    def __init__(self, run_dir: Path, config=None, fresh: bool = True, purge_step: Optional[int] = None):
+    def __init__(self, run_dir: Path, config=None, fresh: bool = True, purge_step: Optional[int] = None,
+                 hparams: Optional[dict[str, Any]] = None):
         """`purge_step`: on resume, the first env step after the checkpoint's; TensorBoard hides the events
-        the lost iterations wrote at or after it, so no curve runs back over the same env steps."""
+        the lost iterations wrote at or after it, so no curve runs back over the same env steps.
+        `hparams`: values the HParams record holds besides the config's own (a sweep's searched keys)."""
         from torch.utils.tensorboard import SummaryWriter
 
         from rlplatform.dashboards import tb_layout
@@ -78,7 +80,7 @@ class RunLogger:
         self.jsonl = (run_dir / METRICS_FILE).open("a")
         self._layout_pending = fresh
         if fresh and config is not None:
-            tb_layout.write_hparams(self.writer, config)
+            tb_layout.write_hparams(self.writer, config, hparams)
 
     def log(self, metrics: dict[str, Any]) -> None:
         step = int(metrics[ENV_STEPS])

@@ -74,15 +74,18 @@ def write_config(run_dir: Path, config: ExperimentConfig) -> None:
     (run_dir / CONFIG_FILE).write_text(to_yaml(config))
 
 
+def command_facts() -> dict[str, Any]:
+    """What started the run: the command line, its directory and checkout (a sweep's trials record the driver's)."""
+    return {"command": sys.argv, "cwd": os.getcwd(), "git_commit": _git_commit()}
+
+
 def write_manifest(run_dir: Path, config: ExperimentConfig, extra: dict[str, Any]) -> None:
     manifest = {
-        "command": sys.argv,
-        "cwd": os.getcwd(),
+        **command_facts(),
         "started": dt.datetime.now().astimezone().isoformat(timespec="seconds"),
         "host": socket.gethostname(),
         "platform": platform.platform(),
         "versions": library_versions(),
-        "git_commit": _git_commit(),
         "seed": config.seed,
         **extra,
     }

@@ -1,0 +1,165 @@
+"""One trial of a sweep: the experiment with the trial's parameters applied through the `--set` machinery, run
+as `train` runs it (`run.loop.RunSession`), one Tune step per iteration, in a run directory of its own:
+`runs/<experiment>/<sweep>/<trial>/` holds config.yaml, manifest.json, TensorBoard events, metrics.jsonl and
+checkpoints/, so `evaluate`, `report` and `dashboard` take a trial as any run.
+
+The algorithm lives in the trial's actor, which Tune places in bundle 0 of the trial's placement group; the env
+runners and learners it starts land in the other bundles. Tune's checkpoints are pointers to ours (one copy of
+the weights): resuming this trial takes the newest checkpoint of its own run directory that verifies (a stop
+writes one), a PBT exploit takes the other trial's checkpoint it points to.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime as dt
+import json
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from ray import tune
+
+from rlplatform.config.files import apply_override, load_yaml_text
+from rlplatform.config.schema import ExperimentConfig, validate
+from rlplatform.config.sizing import Resources
+from rlplatform.errors import TrainingFailed, UserError
+
+CONFIG_HISTORY_FILE = "config_history.jsonl"  # one line per start of the trial: its parameters, where it resumed
+
+
+def trial_dirname(trial_id: str) -> str:
+    """`trial_00003` for Tune's `<sweep id>_00003`: the run directory's name under the sweep's."""
+    return f"trial_{trial_id.rpartition('_')[2]}"
+
+
+def tune_trial_dirname(trial) -> str:  # Tune's trial_dirname_creator
+    return trial_dirname(trial.trial_id)
+
+
+def decode_params(params: dict[str, Any], yaml_keys: frozenset[str] | set[str]) -> dict[str, Any]:
+    """Tune's values for the dotted keys; values of `yaml_keys` travel as YAML text (`[64, 64]`: searchers such as
+    Optuna take only scalar choices) and are read as `--set` reads its values."""
+    return {key: load_yaml_text(value) if key in yaml_keys and isinstance(value, str) else value
+            for key, value in params.items()}
+
+
+def trial_config(base: dict[str, Any], params: dict[str, Any], source: str = "trial") -> ExperimentConfig:
+    """The experiment of one trial: `base` (the sweep's sized experiment) with `params` applied as `--set` would."""
+    data = copy.deepcopy(base)
+    data["search"] = None  # a trial is a plain run of the experiment
+    for key, value in params.items():
+        apply_override(data, key.split("."), value)
+    return validate(data, source=source)
+
+
+class RunTrial(tune.Trainable):
+    """A Tune class trainable; `setup` gets the sweep's facts through `tune.with_parameters`."""
+
+    def setup(self, config: dict[str, Any], base: Optional[dict[str, Any]] = None, sweep_dir: str = "",
+              resources: Optional[dict[str, Any]] = None, yaml_keys: frozenset[str] = frozenset(),
+              command: Optional[dict[str, Any]] = None) -> None:
+        from rlplatform.run import run_dir as rundir
+        from rlplatform.run.plan import Plan
+
+        self.params = decode_params(dict(config), yaml_keys)
+        experiment = trial_config(base, self.params)
+        self.run_dir = Path(sweep_dir) / trial_dirname(self.trial_id)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._lock = rundir.WriterLock(self.run_dir)
+        self.plan = Plan(config=experiment, resources=Resources(**resources), bundles=[], run_dir=self.run_dir,
+                         algorithm_in_driver=True)  # this actor is the algorithm's host
+        self._resume_from = None
+        self._session = None
+        self._saved_iteration: Optional[int] = None
+        self._command = command or {}  # the driver's command line, directory and checkout, for the manifest
+
+    # -- Tune's hooks ---------------------------------------------------------------------------------------
+
+    def step(self) -> dict[str, Any]:
+        from rlplatform.run.algorithm_host import HostFailed
+
+        if self._session is None:
+            self._start()
+        try:
+            m = self._session.iterate()
+        except HostFailed as exc:  # Tune's FailureConfig (max_failures) restarts the trial from its checkpoint
+            raise TrainingFailed(str(exc)) from None
+        result = {k: v for k, v in m.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        result["training_iteration"] = m["iteration"]  # ours, restored with the checkpoint, is the one to count
+        reason = self._session.stop_reason(m)
+        if reason is not None:
+            result.update(done=True, stop_reason=reason)
+        return result
+
+    def save_checkpoint(self, checkpoint_dir: str) -> dict[str, str]:
+        m = self._session.last
+        path = self._session.save(m)
+        self._saved_iteration = m["iteration"]
+        return {"run_dir": str(self.run_dir), "checkpoint": str(path)}
+
+    def load_checkpoint(self, checkpoint: dict[str, str]) -> None:
+        from rlplatform.adapter.policy import check_loads
+        from rlplatform.run.checkpoints import checked, read_checkpoint
+        from rlplatform.run.plan import checkpoint_to_resume
+
+        if Path(checkpoint["run_dir"]) == self.run_dir:
+            self._resume_from = checkpoint_to_resume(self.run_dir)  # the newest: a stop may have written a later one
+        elif Path(checkpoint["checkpoint"]).is_dir():  # PBT: another trial's weights, this trial's (perturbed) values
+            self._resume_from = checked(read_checkpoint(Path(checkpoint["checkpoint"])), lambda info: check_loads(info.path))
+        else:  # that trial has since pruned it (checkpoint.keep_last): its newest that verifies
+            self._resume_from = checkpoint_to_resume(Path(checkpoint["run_dir"]))
+
+    def cleanup(self) -> None:
+        """Stopped (finished, by the scheduler, Ctrl-C, a PBT exploit): checkpoint the last iteration if it is not."""
+        try:
+            if self._session is not None:
+                last = self._session.last
+                if last is not None and last["iteration"] != self._saved_iteration:
+                    self._session.save(last)
+        finally:
+            if self._session is not None:
+                self._session.close()
+            self._lock.release()
+
+    # -- ours -----------------------------------------------------------------------------------------------
+
+    def _start(self) -> None:
+        from rlplatform import internals
+        from rlplatform.run import run_dir as rundir
+        from rlplatform.run.loop import RunSession
+
+        if self._resume_from is None:  # restarted without a Tune checkpoint: its own newest, if any
+            self._resume_from = _own_newest(self.run_dir)
+        config = self.plan.config
+        rundir.write_config(self.run_dir, config)
+        rundir.write_manifest(self.run_dir, config, {
+            **self._command, "sweep": str(self.run_dir.parent), "trial_id": self.trial_id, "params": self.params,
+            "resources": vars(self.plan.resources), "bundles": self.trial_resources.bundles if self.trial_resources else None,
+            "speedups": {"requested": config.speedups, "active": internals.active(config, True)},
+            "resumed_from": str(self._resume_from.path) if self._resume_from else None,
+        })
+        _append_history(self.run_dir, self.params, self._resume_from)
+        self._session = RunSession(self.plan, time.time(), self._resume_from, hparams=self.params)
+        if self._resume_from is not None:
+            self._saved_iteration = self._resume_from.iteration
+
+
+def _own_newest(run_dir: Path):
+    from rlplatform.run.checkpoints import list_checkpoints
+    from rlplatform.run.plan import checkpoint_to_resume
+
+    if not list_checkpoints(run_dir / "checkpoints"):
+        return None
+    try:
+        return checkpoint_to_resume(run_dir)
+    except UserError:
+        return None
+
+
+def _append_history(run_dir: Path, params: dict[str, Any], resume_from) -> None:
+    record = {"at": dt.datetime.now().astimezone().isoformat(timespec="seconds"), "params": params,
+              "from_iteration": resume_from.iteration if resume_from else 0,
+              "from_checkpoint": str(resume_from.path) if resume_from else None}
+    with (run_dir / CONFIG_HISTORY_FILE).open("a") as f:
+        f.write(json.dumps(record, default=str) + "\n")
