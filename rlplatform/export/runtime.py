@@ -83,6 +83,8 @@ class ExportedPolicy:
         if spec is None:
             return None
         shape = (batch, *self._per_sample(spec[1]))
+        if self.noise is None:
+            raise UserError(f"{self.path} samples from a `noise` input: its export.json (which says how to draw it) must be beside it")
         if self.noise == "normal(0,1)":
             return self._rng.standard_normal(shape).astype(np.float32)
         return self._rng.random(shape).astype(np.float32)
