@@ -28,6 +28,7 @@ def run(args: argparse.Namespace) -> int:
     from rlplatform.commands.evaluate import find_checkpoint
     from rlplatform.config.schema import validate
     from rlplatform.export.writer import export_checkpoint
+    from rlplatform.run.tracking import log_export
 
     check_writable(args.output)
     if args.output.is_file():
@@ -39,6 +40,7 @@ def run(args: argparse.Namespace) -> int:
     if args.policy and config.multi_agent is not None and args.policy not in config.multi_agent.policies:
         raise UserError(f"--policy {args.policy!r}: the run has {', '.join(config.multi_agent.policies)}")
     spec = export_checkpoint(info, config, args.format, args.output, args.stochastic, args.policy)
+    log_export(info.path, config, args.output)
     progress.say(f"checkpoint: {info.path} (iteration {info.iteration}, {info.env_steps:,} env steps)")
     for name, policy in spec["policies"].items():
         inputs = ", ".join(i["name"] for i in policy["inputs"])

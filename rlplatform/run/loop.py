@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -126,6 +127,7 @@ def train_loop(plan: Plan) -> int:
         raise TrainingFailed(_checkpoint_failed("cannot write to the run directory", exc, checkpoints)) from None
     finally:
         stop_flag.restore()
+        logger.finish(saved, failed=sys.exc_info()[0] is not None)  # trackers: artefacts, final checkpoint, status
         _close_quietly(logger)  # on a full disk its last flush fails too; the run's outcome is said above
         monitor.stop()
         if host is not None:
