@@ -1,7 +1,9 @@
-"""`rlplatform evaluate RUN_DIR|CHECKPOINT`: greedy episodes with only the policy network loaded.
+"""`rlplatform evaluate RUN_DIR|CHECKPOINT|EXPORT`: greedy episodes with only the policy network loaded.
 
 No Ray cluster, no env runners, no learners: the RLModule is read from the checkpoint and
 stepped in one env in this process. `--video DIR` records MP4s with gymnasium's RecordVideo.
+An export (`rlplatform export`: a directory with export.json, or a .onnx/.pt file) runs with
+onnxruntime (or torch) alone: Ray and RLlib are not imported.
 """
 
 from __future__ import annotations
@@ -24,13 +26,14 @@ from rlplatform.run.run_dir import CONFIG_FILE, check_writable
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("evaluate", help="run greedy episodes of a trained policy, optionally with video")
-    p.add_argument("target", type=Path, metavar="RUN_DIR|CHECKPOINT")
+    p.add_argument("target", type=Path, metavar="RUN_DIR|CHECKPOINT|EXPORT")
     p.add_argument("--episodes", type=int, default=10)
     p.add_argument("--video", type=Path, metavar="DIR", help="write an MP4 of every episode into DIR")
     p.add_argument("--seed", type=int, default=0, help="episode i is reset with seed S+i")
     p.add_argument("--checkpoint", choices=("best", "latest"), default="best", help="which checkpoint of a run directory")
     p.add_argument("--json", type=Path, metavar="FILE", help="also write the results as JSON")
     p.add_argument("--policy", help="policy (module) id; default: the only or default policy")
+    p.add_argument("--env", metavar="ID", help="env of an exported model file with no export.json beside it")
     p.set_defaults(func=run)
 
 
@@ -59,13 +62,22 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--episodes must be at least 1, not {args.episodes}")
     if args.video:
         check_writable(args.video)
+    if is_export(args.target):
+        return run_exported(args)
+    if args.env:
+        raise UserError("--env is for an exported model file; a checkpoint evaluates on the env it was trained on")
     info = find_checkpoint(args.target, args.checkpoint, args.policy)
     config = validate(info.meta["config"], source=str(info.path)) if "config" in info.meta else None
     if config is None:
         raise UserError(f"checkpoint {info.path} carries no experiment config")
     results = evaluate(info.path, config, args.episodes, args.seed, args.video, args.policy)
-    returns, lengths = results["returns"], results["lengths"]
     progress.say(f"checkpoint: {info.path} (iteration {info.iteration}, {info.env_steps:,} env steps)")
+    report(results, args.json, {"checkpoint": str(info.path)})
+    return 0
+
+
+def report(results: dict, json_file: Optional[Path], source: dict) -> None:
+    returns, lengths = results["returns"], results["lengths"]
     progress.say(
         f"{len(returns)} episodes: return {statistics.mean(returns):.2f} ± {statistics.pstdev(returns):.2f}, "
         f"length {statistics.mean(lengths):.1f} ± {statistics.pstdev(lengths):.1f}"
@@ -74,40 +86,114 @@ def run(args: argparse.Namespace) -> int:
         progress.say(f"  policy {name}: return {statistics.mean(values):.2f} ± {statistics.pstdev(values):.2f}")
     for video in results["videos"]:
         progress.say(f"video: {video}")
-    if args.json:
-        args.json.write_text(json.dumps({"checkpoint": str(info.path), **results}, indent=1))
+    if json_file:
+        json_file.write_text(json.dumps({**source, **results}, indent=1))
+
+
+def is_export(target: Path) -> bool:
+    from rlplatform.export.spec import FORMATS, SPEC_FILE
+
+    return (target.is_file() and target.suffix in FORMATS.values()) or (target / SPEC_FILE).is_file()
+
+
+def run_exported(args: argparse.Namespace) -> int:
+    """An export directory or model file, run with onnxruntime (or torch for TorchScript) alone: no Ray, no RLlib."""
+    from rlplatform.export.spec import read_spec, spec_beside
+
+    spec = read_spec(args.target) if args.target.is_dir() else spec_beside(args.target)
+    env = args.env or (spec or {}).get("env")
+    if env is None:
+        raise UserError(f"{args.target}: no export.json beside it names the env: give --env ID")
+    env_config = (spec or {}).get("env_config", {}) if env == (spec or {}).get("env") else {}
+    root = args.target if args.target.is_dir() else args.target.parent
+    policies = _exported_policies(args, spec, root)
+    mapping = (spec or {}).get("multi_agent")
+    if mapping:
+        if args.video:
+            raise UserError("--video is not supported for multi-agent envs yet")
+        results = run_multi_agent_episodes(policies, mapping["mapping"], env, env_config, args.episodes, args.seed)
+    else:
+        (policy,) = policies.values()
+        name = (spec or {}).get("source", {}).get("experiment") or args.target.stem
+        results = run_episodes(policy, env, env_config, args.episodes, args.seed, args.video, name=name)
+    progress.say(f"exported policy: {args.target} (env {env})")
+    report(results, args.json, {"export": str(args.target)})
     return 0
 
 
-def evaluate(checkpoint: Path, config: ExperimentConfig, episodes: int, seed: int, video_dir: Optional[Path], policy: Optional[str] = None) -> dict:
-    import gymnasium as gym
+def _exported_policies(args: argparse.Namespace, spec: Optional[dict], root: Path) -> dict:
+    from rlplatform.export.runtime import ExportedPolicy
 
+    if spec is None:  # a bare model file
+        return {"policy": ExportedPolicy(args.target, seed=args.seed)}
+    described = spec["policies"]
+    if args.target.is_file():
+        described = {name: p for name, p in described.items() if p["file"] == args.target.name}
+    elif args.policy:
+        if args.policy not in described:
+            raise UserError(f"{args.target} has no policy {args.policy!r}; it has: {', '.join(described)}")
+        described = {args.policy: described[args.policy]}
+    if len(described) > 1 and not spec.get("multi_agent"):
+        raise UserError(f"{args.target}: several policies; name one with --policy")
+    if spec.get("multi_agent") and set(described) != set(spec["policies"]):
+        raise UserError(f"{args.target}: a multi-agent env needs every policy of the export; give the directory")
+    return {name: ExportedPolicy(root / p["file"], p, seed=args.seed) for name, p in described.items()}
+
+
+class CheckpointPolicy:
+    """An RLModule from a checkpoint, acting greedily: RLlib's action, as the env gets it."""
+
+    def __init__(self, module, config: ExperimentConfig):
+        self.module, self.config = module, config
+
+    def initial_state(self):
+        from rlplatform.adapter import policy as rllib_policy
+
+        return rllib_policy.initial_state(self.module)
+
+    def act(self, observations, state=None):
+        from rlplatform.adapter import policy as rllib_policy
+
+        actions, state = rllib_policy.greedy_actions(self.module, observations, state)
+        return [rllib_policy.to_env_action(a, self.module.action_space, self.config) for a in actions], state
+
+
+def evaluate(checkpoint: Path, config: ExperimentConfig, episodes: int, seed: int, video_dir: Optional[Path], policy: Optional[str] = None) -> dict:
     from rlplatform.adapter import policy as rllib_policy
-    from rlplatform.config.env_ids import make_env
 
     if config.multi_agent is not None:
         if video_dir:
             raise UserError("--video is not supported for multi-agent envs yet")
-        return evaluate_multi_agent(checkpoint, config, episodes, seed)
-    module = rllib_policy.load_inference_module(checkpoint, policy)
+        modules = {name: CheckpointPolicy(rllib_policy.load_inference_module(checkpoint, name), config)
+                   for name in config.multi_agent.policies}
+        return run_multi_agent_episodes(modules, config.multi_agent.mapping, config.env, config.env_config, episodes, seed)
+    module = CheckpointPolicy(rllib_policy.load_inference_module(checkpoint, policy), config)
+    return run_episodes(module, config.env, config.env_config, episodes, seed, video_dir, name=config.name)
+
+
+def run_episodes(policy, env_id: str, env_config: dict, episodes: int, seed: int, video_dir: Optional[Path], name: str) -> dict:
+    """Greedy episodes; `policy` has initial_state() and act(observations, state) -> (env actions, state)."""
+    import gymnasium as gym
+
+    from rlplatform.config.env_ids import make_env
+
     if video_dir:  # frames are drawn off-screen: no display, no sound card (SDL would look for both, noisily)
         os.environ.setdefault("SDL_VIDEODRIVER", "dummy")
         os.environ.setdefault("SDL_AUDIODRIVER", "dummy")
-    env = make_env(config.env, render_mode="rgb_array" if video_dir else None, **config.env_config)
+    env = make_env(env_id, render_mode="rgb_array" if video_dir else None, **env_config)
     if video_dir:
         video_dir.mkdir(parents=True, exist_ok=True)
         env = gym.wrappers.RecordVideo(env, str(video_dir), episode_trigger=lambda _: True,
-                                       name_prefix=f"{config.name}-seed{seed}", disable_logger=True)
+                                       name_prefix=f"{name}-seed{seed}", disable_logger=True)
     returns, lengths = [], []
     try:
         for episode in range(episodes):
             obs, _ = env.reset(seed=seed + episode)
-            state = rllib_policy.initial_state(module)
+            state = policy.initial_state()
             done, total, steps = False, 0.0, 0
             while not done:
-                actions, state = rllib_policy.greedy_actions(module, obs[None], state)
-                action = rllib_policy.to_env_action(actions[0], env.action_space, config)
-                obs, reward, terminated, truncated, _ = env.step(action)
+                actions, state = policy.act(obs[None], state)
+                obs, reward, terminated, truncated, _ = env.step(actions[0])
                 total, steps, done = total + float(reward), steps + 1, terminated or truncated
             returns.append(total)
             lengths.append(steps)
@@ -117,30 +203,26 @@ def evaluate(checkpoint: Path, config: ExperimentConfig, episodes: int, seed: in
     return {"returns": returns, "lengths": lengths, "videos": videos}
 
 
-def evaluate_multi_agent(checkpoint: Path, config: ExperimentConfig, episodes: int, seed: int) -> dict:
+def run_multi_agent_episodes(policies: dict, mapping: dict[str, str], env_id: str, env_config: dict, episodes: int, seed: int) -> dict:
     """Every agent acts greedily with the policy its id maps to; the episode return sums all agents."""
-    from rlplatform.adapter import policy as rllib_policy
+    from rlplatform.adapter.algorithm_config import PolicyMapping
     from rlplatform.config.env_ids import make_env
 
-    from rlplatform.adapter.algorithm_config import PolicyMapping
-
-    mapping = PolicyMapping(config.multi_agent.mapping)
-    modules = {name: rllib_policy.load_inference_module(checkpoint, name) for name in config.multi_agent.policies}
-    env = make_env(config.env, **config.env_config)
-    returns, lengths, per_policy = [], [], {name: [] for name in modules}
+    policy_of = PolicyMapping(mapping)
+    env = make_env(env_id, **env_config)
+    returns, lengths, per_policy = [], [], {name: [] for name in policies}
     for episode in range(episodes):
         obs, _ = env.reset(seed=seed + episode)
-        totals = dict.fromkeys(modules, 0.0)
+        totals = dict.fromkeys(policies, 0.0)
         done, steps = False, 0
         while not done:
             actions = {}
             for agent, agent_obs in obs.items():
-                policy = mapping(agent)
-                action, _ = rllib_policy.greedy_actions(modules[policy], agent_obs[None])
-                actions[agent] = rllib_policy.to_env_action(action[0], env.unwrapped.get_action_space(agent), config)
+                action, _ = policies[policy_of(agent)].act(agent_obs[None])
+                actions[agent] = action[0]
             obs, rewards, terminateds, truncateds, _ = env.step(actions)
             for agent, reward in rewards.items():
-                totals[mapping(agent)] += float(reward)
+                totals[policy_of(agent)] += float(reward)
             steps += 1
             done = terminateds.get("__all__", False) or truncateds.get("__all__", False)
         returns.append(sum(totals.values()))

@@ -92,6 +92,24 @@ class EvaluationSection(Section):
     episodes: int = Field(10, ge=1)
 
 
+class MlflowSection(Section):
+    uri: str = Field(min_length=1)  # the tracking server (http://host:5000) or a local store (file:/path, sqlite:///db)
+    experiment: Optional[str] = Field(None, min_length=1)  # default: the experiment's `name`
+
+
+class WandbSection(Section):
+    project: str = Field(min_length=1)
+    mode: Literal["online", "offline"] = "online"  # offline: run files under the run directory, `wandb sync` later
+    entity: Optional[str] = Field(None, min_length=1)
+
+
+class TrackingSection(Section):
+    """Where the driver also sends the run's metrics, HParams and artefacts (besides TensorBoard)."""
+
+    mlflow: Optional[MlflowSection] = None
+    wandb: Optional[WandbSection] = None
+
+
 class PolicySection(Section):
     model: Optional[ModelSection] = None  # this policy's network; default: the experiment's `model`
 
@@ -141,6 +159,7 @@ class ExperimentConfig(Section):
     stop: StopSection = Field(default_factory=StopSection)
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
     evaluation: EvaluationSection = Field(default_factory=EvaluationSection)
+    tracking: TrackingSection = Field(default_factory=TrackingSection)
     multi_agent: Optional[MultiAgentSection] = None
     rllib: dict[str, dict[str, Any]] = Field(default_factory=dict)
     # The speed-ups that reach into Ray's and RLlib's internals (rlplatform/internals, docs/internals.md);

@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -129,7 +130,8 @@ class RunSession:
         except (OSError, HostFailed) as exc:
             raise TrainingFailed(_checkpoint_failed(f"checkpoint {m['iteration']} could not be written", exc, self.checkpoints)) from None
 
-    def close(self) -> None:
+    def close(self, saved: Optional[Path] = None, failed: bool = False) -> None:
+        self.logger.finish(saved, failed=failed)
         _close_quietly(self.logger)  # on a full disk its last flush fails too; the run's outcome is said elsewhere
         self.monitor.stop()
         if self.host is not None:
@@ -171,7 +173,7 @@ def train_loop(plan: Plan) -> int:
         raise TrainingFailed(_checkpoint_failed("cannot write to the run directory", exc, session.checkpoints)) from None
     finally:
         stop_flag.restore()
-        session.close()
+        session.close(saved, failed=sys.exc_info()[0] is not None)  # trackers: artefacts, final checkpoint, status
     progress.print_summary(run_dir, reason, session.last, saved, time.time() - started)
     return 0
 

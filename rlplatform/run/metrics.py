@@ -60,7 +60,8 @@ def scalars(metrics: dict[str, Any]) -> dict[str, float]:
 
 
 class RunLogger:
-    """TensorBoard event files and metrics.jsonl in the run directory, both keyed by env steps.
+    """TensorBoard event files and metrics.jsonl in the run directory, both keyed by env steps, and the
+    same tags to MLflow / W&B where the config's `tracking` section names them (run/tracking.py).
 
     A fresh run also gets its HParams record at once and its dashboard layout after the first
     iteration (from the tags it really logs); a resumed run already has both.
@@ -81,6 +82,12 @@ class RunLogger:
         self._layout_pending = fresh
         if fresh and config is not None:
             tb_layout.write_hparams(self.writer, config, hparams)
+        self.tracking = None
+        if config is not None and (config.tracking.mlflow or config.tracking.wandb):
+            from rlplatform.run.tracking import Tracking
+
+            self.tracking = Tracking(run_dir, config, resume=not fresh)
+        self.run_dir = run_dir
 
     def log(self, metrics: dict[str, Any]) -> None:
         step = int(metrics[ENV_STEPS])
@@ -94,8 +101,22 @@ class RunLogger:
         record = {"iteration": metrics["iteration"], ENV_STEPS: step, "wall_time_s": metrics.get("wall_time_s"), **values}
         self.jsonl.write(json.dumps(record) + "\n")
         self.jsonl.flush()
+        if self.tracking is not None:
+            self.tracking.log({**values, "progress/iteration": float(metrics["iteration"])}, step, metrics.get("timestamp"))
+
+    def finish(self, final_checkpoint: Optional[Path], failed: bool) -> None:
+        """The run's end, for the trackers: its artefacts and final checkpoint, and whether it failed."""
+        if self.tracking is None:
+            return
+        from rlplatform.run.tracking import run_artifacts
+
+        tags = {"rlplatform.final_checkpoint": str(final_checkpoint.resolve())} if final_checkpoint else {}
+        self.tracking.add_artifacts(run_artifacts(self.run_dir), tags=tags)
+        self.tracking.end(failed)
 
     def close(self) -> None:
+        if self.tracking is not None:
+            self.tracking.end()
         self.writer.close()
         self.jsonl.close()
 
