@@ -119,7 +119,17 @@ def test_learner_bench_times_the_lean_rllib_and_plain_torch_updates(tmp_path, ex
     for r in rows.values():
         assert r["updates"] > 0 and r["ms_per_update"] == pytest.approx(1000 * r["seconds"] / r["updates"], rel=1e-3)
         assert r["of_plain_torch"] == pytest.approx(r["updates_per_s"] / rows["torch"]["updates_per_s"])
-    assert data["updates_per_learner_call"] == (32 if experiment == "cartpole_dqn" else 1)
+    assert data["updates_per_learner_call"] == updates_per_training_step(experiment, "model.hidden=[32,32]")
+
+
+def updates_per_training_step(experiment: str, *overrides: str) -> int:
+    from ray.rllib.algorithms.dqn.dqn import calculate_rr_weights
+
+    from rlplatform.adapter.algorithm_config import build_algorithm_config
+    from rlplatform.config.experiment import resolve_experiment
+
+    config = resolve_experiment(ROOT / "experiments" / f"{experiment}.yaml", list(overrides), "laptop").config
+    return calculate_rr_weights(build_algorithm_config(config))[1]
 
 
 @pytest.mark.skipif(has_cuda(), reason="this machine has a GPU: there `rlplatform bench gpu` runs the preset for real")

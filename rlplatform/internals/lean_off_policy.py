@@ -156,7 +156,7 @@ class LeanOffPolicyTraining:
         # One learner call for the step's k updates where one learner holds the whole batch; with
         # several learners each update is its own call, as each must be split across them.
         calls, per_call = (1, updates) if self.config.num_learners <= 1 else (updates, 1)
-        td_errors, results = [], []
+        results = []
         for _ in range(calls):
             with self.metrics.log_time((TIMERS, REPLAY_BUFFER_SAMPLE_TIMER)):
                 rows = buffer.sample(size * per_call, beta=self.config.replay_buffer_config.get("beta"))
@@ -165,22 +165,14 @@ class LeanOffPolicyTraining:
             with self.metrics.log_time((TIMERS, LEARNER_UPDATE_TIMER)):
                 results = self.learner_group.update(
                     batch=batch, minibatch_size=self.config.train_batch_size_per_learner, timesteps=timesteps)
-                td_errors.append(_pop_td_errors(results))
+                td_errors = _pop_td_errors(results)
                 self.metrics.aggregate(results, key=LEARNER_RESULTS)
-            if buffer.prioritized and calls > 1:
-                self._update_priorities(buffer, td_errors.pop())
-        if buffer.prioritized and td_errors:
-            self._update_priorities(buffer, td_errors.pop())
+            if buffer.prioritized and td_errors is not None:
+                with self.metrics.log_time((TIMERS, REPLAY_BUFFER_UPDATE_PRIOS_TIMER)):
+                    buffer.update_priorities(td_errors)
         for name, value in buffer.get_metrics().items():
             self.metrics.log_value((REPLAY_BUFFER_RESULTS, name), value, window=1)
         return results
-
-    def _update_priorities(self, buffer: FlatReplayBuffer, td_errors: Optional[np.ndarray]) -> None:
-        if td_errors is None:
-            return
-        with self.metrics.log_time((TIMERS, REPLAY_BUFFER_UPDATE_PRIOS_TIMER)):
-            buffer.update_priorities(td_errors)
-
 
 
 def _pop_td_errors(learner_results: list) -> Optional[np.ndarray]:
