@@ -80,7 +80,7 @@ def test_solve_reports_each_seed_and_the_median_with_startup_apart(tmp_path):
 
 @pytest.mark.slow
 def test_soak_reads_memory_of_driver_algorithm_and_runner(tmp_path):
-    result = run_cli("bench", "soak", "--minutes", "0.75", "--warmup-minutes", "0.2", "--interval", "2",
+    result = run_cli("bench", "soak", "--minutes", "0.5", "--warmup-minutes", "0.15", "--interval", "2",
                      "--set", "scale.env_runners=1", "-o", tmp_path, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     (path,) = tmp_path.glob("soak-cartpole-ppo-*/soak.json")
@@ -140,7 +140,7 @@ def test_gpu_preset_refuses_a_machine_without_gpu(tmp_path):
 @pytest.mark.slow
 def test_gpu_preset_without_a_gpu_learner_measures_the_cpu_baseline(tmp_path):
     # The laptop profile keeps the learner on the CPU: the same Pong APPO learner, measured the same way.
-    result = run_cli("bench", "gpu", "--profile", "laptop", "--minutes", "0.6", "--warmup-minutes", "0.2",
+    result = run_cli("bench", "gpu", "--profile", "laptop", "--minutes", "0.4", "--warmup-minutes", "0.15",
                      "--set", "scale.envs_per_runner=1", "--set", "training.train_batch_size_per_learner=100",
                      "-o", tmp_path, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr

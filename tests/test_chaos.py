@@ -19,7 +19,7 @@ from multinode import ROOT, RayNode, read_metrics, wait_for_nodes
 from rlplatform.run.checkpoints import list_checkpoints, verify
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]
-TARGET = 475.0
+TARGET = 300.0  # below the default's 475: the chaos, not the last stretch of learning, is under test
 
 
 def _train(head: RayNode, *args: str) -> subprocess.Popen:
@@ -84,6 +84,7 @@ def test_a_run_survives_killed_runners_a_lost_node_and_a_killed_driver(tmp_path:
         common = ["--max-failures", "3"]
         first = _train(head, "--runs-dir", str(runs), "--set", "scale.env_runners=2", "--set", "scale.placement=spread",
                        "--set", "hardware.driver_cpus=1", "--set", "checkpoint.every=2", "--set", "stop.env_steps=300000",
+                       "--set", f"stop.return_mean={TARGET}",
                        *common)
         run_dirs = lambda: list(runs.glob("*/*/metrics.jsonl"))  # noqa: E731
         _wait(lambda: run_dirs() and len(read_metrics(run_dirs()[0].parent)) >= 3, 240, first, "training started")

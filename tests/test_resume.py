@@ -162,7 +162,7 @@ def test_max_failures_rebuilds_the_algorithm_from_its_newest_checkpoint_when_its
 def test_an_off_policy_run_on_remote_runners_resumes_with_its_replay_buffer_or_says_it_starts_empty(
         runs, experiment, speedups, restored):
     sets = ["--set", f"speedups={speedups}", "--set", "scale.env_runners=2", "--set", "scale.envs_per_runner=1",
-            "--set", "hardware.cpus_per_env_runner=0.5",
+            "--set", "hardware.cpus_per_env_runner=0.5", "--set", "hardware.driver_cpus=1",
             "--set", "checkpoint.every=1", "--set", "training.num_steps_sampled_before_learning_starts=64"]
     first = run_cli("train", str(ROOT / "experiments" / f"{experiment}.yaml"), "--runs-dir", runs, *UNTIL_CLOCK,
                     *sets, "--set", "stop.iterations=2")

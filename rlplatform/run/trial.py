@@ -81,6 +81,9 @@ class RunTrial(tune.Trainable):
 
         if self._session is None:
             self._start()
+            finished = self._finished_before_it_was_stopped()
+            if finished is not None:
+                return finished
         try:
             m = self._session.iterate()
         except HostFailed as exc:  # Tune's FailureConfig (max_failures) restarts the trial from its checkpoint
@@ -123,6 +126,22 @@ class RunTrial(tune.Trainable):
             self._lock.release()
 
     # -- ours -----------------------------------------------------------------------------------------------
+
+    def _finished_before_it_was_stopped(self) -> Optional[dict[str, Any]]:
+        """A trial stopped (Ctrl-C) after the iteration that met its `stop`, restored there: done, as it was."""
+        from rlplatform.run.loop import stop_reason
+        from rlplatform.run.metrics import METRICS_FILE
+
+        if self._resume_from is None or not (self.run_dir / METRICS_FILE).is_file():
+            return None
+        rows = [json.loads(line) for line in (self.run_dir / METRICS_FILE).read_text().splitlines() if line.strip()]
+        m = next((r for r in reversed(rows) if r.get("iteration") == self._resume_from.iteration), None)
+        reason = m and stop_reason(self.plan.config, m, window_full=False, wall_s=m.get("wall_time_s") or 0.0)
+        if not reason:
+            return None
+        result = {k: v for k, v in m.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        return {**result, "training_iteration": m["iteration"], "done": True, "stop_reason": reason}
+
 
     def _start(self) -> None:
         from rlplatform import internals
