@@ -55,13 +55,10 @@ class _SegmentTrees:
         nodes = indices + self.leaves
         self.sum[nodes] = values
         self.min[nodes] = values
-        nodes = np.unique(nodes // 2)
-        while nodes[0] >= 1:
+        while nodes[0] > 1:  # every leaf is at the same depth: the parents of a level, up to the root
+            nodes = np.unique(nodes // 2)
             self.sum[nodes] = self.sum[2 * nodes] + self.sum[2 * nodes + 1]
             self.min[nodes] = np.minimum(self.min[2 * nodes], self.min[2 * nodes + 1])
-            if nodes[0] == 1:
-                break
-            nodes = np.unique(nodes // 2)
 
     def total(self) -> float:
         return float(self.sum[1])
@@ -139,11 +136,8 @@ class FlatReplayBuffer:
             rewards = np.concatenate([tail.rewards, rewards])
         length = len(actions)
         ready = length if done else max(0, length - (self.n_step - 1))
-        if not done and length:
-            keep = length - ready
+        if not done and length > ready:
             self.pending[episode_id] = _Tail(obs[ready:], actions[ready:], rewards[ready:])
-            if keep == 0:
-                self.pending.pop(episode_id)
             while len(self.pending) > _MAX_PENDING:
                 self.pending.popitem(last=False)
         if ready:
