@@ -206,7 +206,8 @@ def test_interrupted_sweep_resumes_with_finished_trials_kept(tmp_path, capsys, s
     search = {"space": {"training.lr": {"choice": [1.0e-4, 1.0e-3, 1.0e-2]}}, "searcher": "grid", "samples": 1,
               "concurrent": 1}
     runs = tmp_path / "runs"
-    path = experiment(tmp_path, "resume", search, stop={"iterations": 3})
+    iterations = 8  # the interrupt comes at the second trial's first iteration; Tune takes a few to act on it
+    path = experiment(tmp_path, "resume", search, stop={"iterations": iterations})
 
     def interrupt_once_the_second_trial_trains() -> None:  # Ctrl-C, as the terminal sends it to the driver
         deadline = time.time() + 240
@@ -225,7 +226,7 @@ def test_interrupted_sweep_resumes_with_finished_trials_kept(tmp_path, capsys, s
     sweep = sweep_dir(runs, "resume")
     assert f"continue with: python -m rlplatform tune --resume {sweep}" in out
     before = {r["trial"]: r for r in results(sweep)}
-    assert before["trial_00000"]["stopped"] == "iterations 3 >= 3"
+    assert before["trial_00000"]["stopped"] == f"iterations {iterations} >= {iterations}"
     assert before["trial_00001"]["stopped"].startswith("interrupted")
     finished_metrics = (sweep / "trial_00000" / "metrics.jsonl").read_text()
     stopped_at = max(m["iteration"] for m in metrics(sweep / "trial_00001"))
@@ -235,8 +236,8 @@ def test_interrupted_sweep_resumes_with_finished_trials_kept(tmp_path, capsys, s
     assert main(["tune", "--resume", str(sweep)]) == 0
     after = {r["trial"]: r for r in results(sweep)}
     assert set(after) == {"trial_00000", "trial_00001", "trial_00002"}
-    assert all(r["stopped"] == "iterations 3 >= 3" for r in after.values()), after
+    assert all(r["stopped"] == f"iterations {iterations} >= {iterations}" for r in after.values()), after
     assert (sweep / "trial_00000" / "metrics.jsonl").read_text() == finished_metrics  # not run again
     resumed = history(sweep / "trial_00001")
     assert len(resumed) == 2 and resumed[1]["from_checkpoint"] == str(checkpoint)
-    assert [m["iteration"] for m in metrics(sweep / "trial_00001")] == [1, 2, 3]
+    assert [m["iteration"] for m in metrics(sweep / "trial_00001")] == list(range(1, iterations + 1))

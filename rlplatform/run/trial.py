@@ -97,6 +97,8 @@ class RunTrial(tune.Trainable):
 
     def save_checkpoint(self, checkpoint_dir: str) -> dict[str, str]:
         m = self._session.last
+        if m is None:  # restored and not trained since (it had already met its stop): the checkpoint it came from
+            return {"run_dir": str(self.run_dir), "checkpoint": str(self._resume_from.path)}
         path = self._session.save(m)
         self._saved_iteration = m["iteration"]
         return {"run_dir": str(self.run_dir), "checkpoint": str(path)}
@@ -141,7 +143,6 @@ class RunTrial(tune.Trainable):
             return None
         result = {k: v for k, v in m.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
         return {**result, "training_iteration": m["iteration"], "done": True, "stop_reason": reason}
-
 
     def _start(self) -> None:
         from rlplatform import internals
