@@ -14,6 +14,7 @@ MARKERS = {
     "cluster": "needs a second Ray node, `ray up`, Ray Jobs against a head, or docker tooling",
     "browser": "drives a headless Chromium",
     "learning": "training runs long enough to show that an algorithm learns",
+    "docker": "builds the CPU image and runs containers (tests/containers.py starts a Docker daemon if none runs)",
 }
 
 
