@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from conftest import ROOT, assert_user_error, read_metrics, run_cli
+from rlplatform.infra.loopback import CLUSTER_RAY_ENV
 
 DEFAULT = ROOT / "experiments" / "cartpole_ppo.yaml"
 CPUS = len(os.sched_getaffinity(0))  # what a private local Ray instance gets on this machine
@@ -95,12 +96,32 @@ def test_soak_reads_memory_of_driver_algorithm_and_runner(tmp_path):
     assert "worst growth" in result.stdout
 
 
+@pytest.mark.slow
+@pytest.mark.cluster
+def test_soak_on_a_loopback_cluster_reads_every_process_of_every_node(tmp_path):
+    result = run_cli("bench", "soak", "--nodes", "2", "--node-cpus", "2", "--minutes", "0.6", "--warmup-minutes", "0.15",
+                     "--interval", "2", "--set", "scale.env_runners=2", "--set", "scale.placement=spread",
+                     "-o", tmp_path, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    (path,) = tmp_path.glob("soak-cartpole-ppo-*/soak.json")
+    data = json.loads(path.read_text())
+    assert data["nodes"] == 2 and data["cluster_ray_env"] == CLUSTER_RAY_ENV
+    found = {(p["role"], p["node"]) for p in data["processes"]}
+    assert {("driver", "driver"), ("ray gcs server", "head"), ("ray dashboard", "head"), ("ray raylet", "head"),
+            ("ray raylet", "worker 1"), ("env runner", "worker 1"), ("ray dashboard agent", "worker 1")} <= found, found
+    assert data["worst_growth"] == max(p["growth"] for p in data["processes"] if p["growth"] is not None)
+    import psutil
+
+    assert not any(psutil.pid_exists(p["pid"]) for p in data["processes"]), "the soak left a process of its cluster"
+
+
 def test_bad_bench_input_is_refused_before_ray_starts(tmp_path):
     assert_user_error(run_cli("bench", "throughput", "--layouts", "2by8", "-o", tmp_path), "--layouts", "2by8")
     assert_user_error(run_cli("bench", "solve", "--seeds", "0", "-o", tmp_path), "--seeds")
     assert_user_error(run_cli("bench", "solve", "--set", "stop.return_mean=null", "-o", tmp_path), "stop.return_mean")
     assert_user_error(run_cli("bench", "solve", "--set", "training.lrr=1", "-o", tmp_path), "training.lrr")
     assert_user_error(run_cli("bench", "soak", "--minutes", "1", "--warmup-minutes", "2", "-o", tmp_path), "--warmup-minutes")
+    assert_user_error(run_cli("bench", "soak", "--nodes", "1", "-o", tmp_path), "--nodes")
     assert_user_error(run_cli("bench", "learner", DEFAULT, "-o", tmp_path), "cartpole-ppo is PPO")
     assert_user_error(run_cli("bench", "learner", "--rounds", "0", "-o", tmp_path), "--rounds")
     assert not list(tmp_path.iterdir())

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from rlplatform.infra.loopback import CLUSTER_RAY_ENV
+
 ROOT = Path(__file__).resolve().parent.parent
 CLUSTER = ROOT / "cluster"
 LAUNCHER = {"aws": CLUSTER / "aws.yaml", "gcp": CLUSTER / "gcp.yaml", "onprem": CLUSTER / "onprem.yaml"}
@@ -76,6 +78,7 @@ def test_common_launcher_properties(name: str) -> None:
     assert "rlplatform" in docker["image"] and docker["container_name"]
     options = " ".join(docker["run_options"])
     assert "--env RAY_AUTH_MODE=token" in options
+    assert all(f"--env {k}={v}" in options for k, v in CLUSTER_RAY_ENV.items())  # the soak's settings (bench soak --nodes)
     assert "--entrypoint ''" in options  # the image's entrypoint is `python -m rlplatform`; the launcher runs bash
     assert config["file_mounts"]["~/.ray/auth_token"] == "~/.ray/auth_token"
     # Nothing from the provider defaults (their setup commands pip-install a Ray nightly).
@@ -126,6 +129,7 @@ def test_kuberay_cluster_spec(where: str, spec: dict) -> None:
     assert head.get("serviceType", "ClusterIP") == "ClusterIP"  # GCS and dashboard inside the cluster only
     head_containers = head["template"]["spec"]["containers"]
     assert head_containers and head_containers[0]["image"] and head_containers[0]["name"]
+    assert {e["name"]: e["value"] for e in head_containers[0].get("env", [])}.items() >= CLUSTER_RAY_ENV.items()
     groups = {g["groupName"]: g for g in spec["workerGroupSpecs"]}
     assert set(groups) == {"cpu-workers", "gpu-workers"}
     for group in groups.values():

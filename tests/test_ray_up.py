@@ -32,6 +32,7 @@ import pytest
 import yaml
 
 from multinode import RAY, ROOT, alive_nodes, free_port, read_metrics, token_env
+from rlplatform.infra.loopback import CLUSTER_RAY_ENV
 
 SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
 TEMPLATE = ROOT / "cluster" / "onprem-loopback.yaml.in"
@@ -174,6 +175,16 @@ def _kill_by_cmdline(fragment: str) -> None:
                 pass
 
 
+def _gcs_server(temp_dir: Path):
+    import psutil
+
+    for proc in psutil.process_iter(["cmdline"]):
+        cmdline = proc.info["cmdline"] or []
+        if cmdline and cmdline[0].endswith("/gcs_server") and any(str(temp_dir) in part for part in cmdline):
+            return proc
+    raise AssertionError(f"no GCS server under {temp_dir}")
+
+
 def test_ray_up_and_down_on_this_machine() -> None:
     assert shutil.which("rsync"), "ray up needs rsync for its file mounts (apt-get install rsync)"
     assert shutil.which("ssh") and shutil.which("ssh-keygen"), "openssh-client missing"
@@ -267,6 +278,9 @@ def test_ray_up_and_down_on_this_machine() -> None:
                               for p in (base / "h").glob("session_*/logs/monitor.*"))
         assert nodes == 2, f"{nodes} alive nodes at {address} after ray up; monitor log:\n{monitor_log}"
         print(f"ray up + worker joined in {time.time() - started:.0f} s")
+        # The head's GCS runs with the cluster configs' task-event limit (bench soak --nodes measured it).
+        gcs = _gcs_server(base / "h")
+        assert {k: gcs.environ().get(k) for k in CLUSTER_RAY_ENV} == CLUSTER_RAY_ENV
 
         # A tiny real training run on the launched cluster, its env runner on the other node.
         runs = base / "runs"

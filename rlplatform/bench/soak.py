@@ -8,21 +8,27 @@ monitor, and Ray's own (GCS, raylet, its agents). Growth per process is measured
 the warm-up (default: the first two minutes, as long runs allocate their buffers early) to the end
 of the run, on the median of the last few samples of each span, so that one garbage-collection
 spike does not decide it.
+With `--nodes N` the run trains on a cluster of N Ray nodes on loopback addresses started for it
+(`infra/loopback.py`: a head with the dashboard, as `ray up` starts one, and N-1 workers, with the Ray
+settings of our cluster configs), and every process of every node is read as well: GCS, raylets,
+dashboard, agents, monitors, workers and actors, each with the node it runs on.
 Results: `<output>/soak-<name>-<time>/soak.json` and `soak.png`.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from rlplatform.run import progress
 from rlplatform.bench.training_runs import (
     add_training_arguments, bench_dir, check_experiment, finish, median, start, train_command, wall_clock_only, write_json,
 )
 from rlplatform.errors import TrainingFailed, UserError
+from rlplatform.infra.loopback import CLUSTER_RAY_ENV, LoopbackCluster
 
 GROWTH_TARGET = 0.05
 SPAN_SAMPLES = 3  # samples whose median stands for "RSS at the end of the warm-up" and "RSS at the end"
@@ -37,6 +43,11 @@ ROLES = {  # Ray's process title of an actor is "ray::<ClassName>[.method]"
     "RuntimeEnvAgent": "ray runtime env agent",
 }
 RAY_EXECUTABLES = {"gcs_server": "ray gcs server", "raylet": "ray raylet"}
+RAY_SCRIPTS = {  # Ray's Python daemons of a node started by `ray start`, by the script they run
+    "dashboard/dashboard.py": "ray dashboard", "dashboard/agent.py": "ray dashboard agent",
+    "runtime_env/agent/main.py": "ray runtime env agent", "autoscaler/_private/monitor.py": "ray autoscaler monitor",
+    "_private/log_monitor.py": "ray log monitor",
+}
 
 
 def add_verb(verbs) -> None:
@@ -45,6 +56,9 @@ def add_verb(verbs) -> None:
     q.add_argument("--minutes", type=float, default=20.0, help="how long to train (default: 20)")
     q.add_argument("--warmup-minutes", type=float, help="growth is measured after this (default: 2, or a tenth of short runs)")
     q.add_argument("--interval", type=float, default=10.0, help="seconds between memory samples (default: 10)")
+    q.add_argument("--nodes", type=int, default=0,
+                   help="train on a cluster of this many Ray nodes on loopback addresses, started for the soak (default: none, a private local instance)")
+    q.add_argument("--node-cpus", type=float, default=2.0, help="CPUs each loopback node offers (default: 2)")
     q.set_defaults(func=run)
 
 
@@ -52,23 +66,32 @@ def run(args: argparse.Namespace) -> int:
     if args.minutes <= 0 or args.interval <= 0:
         raise UserError("--minutes and --interval must be > 0")
     if args.address:
-        raise UserError("bench soak reads the memory of a local run's processes; it does not take --address")
+        raise UserError("bench soak reads the memory of processes on this machine; it does not take --address (use --nodes)")
+    if args.nodes < 0 or args.nodes == 1 or args.node_cpus <= 0:
+        raise UserError("--nodes must be 2 or more (a head and workers) and --node-cpus > 0")
     warmup_s = 60 * (args.warmup_minutes if args.warmup_minutes is not None else min(2.0, args.minutes / 10))
     if warmup_s >= 60 * args.minutes:
         raise UserError(f"--warmup-minutes ({warmup_s / 60:g}) must be shorter than --minutes ({args.minutes:g})")
     config = check_experiment(args)
     root = bench_dir(args.output, "soak", config.name)
-    # Only the clock stops this run; checkpoints and everything else stay as the experiment has them.
-    proc, started = start(train_command(args, root / "run", wall_clock_only(args.minutes)), root / "run")
-    progress.say(f"soak: training {config.name} for {args.minutes:g} min, memory every {args.interval:g} s "
-                           f"(growth measured after {warmup_s / 60:g} min)")
-    samples = sample_memory(proc.pid, started, args.interval, poll=proc.poll)
-    run_ = finish(proc, started, root / "run", root / "run", timeout_s=120)
+    with _cluster(args.nodes, args.node_cpus) as cluster:
+        if cluster is not None:
+            args.address = cluster.address
+            progress.say(f"soak: a cluster of {args.nodes} loopback nodes at {cluster.address} "
+                         f"({args.node_cpus:g} CPUs each, {', '.join(f'{k}={v}' for k, v in CLUSTER_RAY_ENV.items())})")
+        # Only the clock stops this run; checkpoints and everything else stay as the experiment has them.
+        proc, started = start(train_command(args, root / "run", wall_clock_only(args.minutes)), root / "run",
+                              env=cluster.head.env if cluster else None)
+        progress.say(f"soak: training {config.name} for {args.minutes:g} min, memory every {args.interval:g} s "
+                     f"(growth measured after {warmup_s / 60:g} min)")
+        samples = sample_memory(lambda: _processes(proc.pid, cluster), started, args.interval, poll=proc.poll)
+        run_ = finish(proc, started, root / "run", root / "run", timeout_s=120)
     if run_.returncode != 0:
         raise TrainingFailed(run_.failure())
     processes = growth_per_process(samples, warmup_s)
     worst = max((p["growth"] for p in processes if p["growth"] is not None), default=None)
     result = {"experiment": config.name, "minutes": args.minutes, "warmup_s": warmup_s, "interval_s": args.interval,
+              "nodes": args.nodes, "cluster_ray_env": CLUSTER_RAY_ENV if cluster else None,
               "growth_target": GROWTH_TARGET, "worst_growth": worst, "within_target": worst is not None and worst < GROWTH_TARGET,
               "env_steps": (run_.metrics[-1]["env_steps"] if run_.metrics else None), "processes": processes,
               "samples": samples, "run_dir": str(run_.run_dir)}
@@ -79,6 +102,26 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+@contextlib.contextmanager
+def _cluster(nodes: int, cpus: float) -> Iterator[Optional[LoopbackCluster]]:
+    if not nodes:
+        yield None
+        return
+    with LoopbackCluster(workers=nodes - 1, cpus=cpus) as cluster:
+        yield cluster
+
+
+def _processes(driver_pid: int, cluster: Optional[LoopbackCluster]) -> list[tuple[Any, str]]:
+    """(process, node) for the driver and its descendants, and every process of every node of the cluster."""
+    import psutil
+
+    driver = psutil.Process(driver_pid)
+    found = [(p, "driver") for p in [driver, *driver.children(recursive=True)]]
+    for i, node in enumerate(cluster.nodes if cluster else []):
+        found += [(p, "head" if i == 0 else f"worker {i}") for p in node.processes()]
+    return found
+
+
 def role_of(proc) -> Optional[str]:
     """What a process under the driver is, from Ray's process title or executable; None for idle workers."""
     try:
@@ -86,6 +129,15 @@ def role_of(proc) -> Optional[str]:
     except Exception:  # gone, or not ours to read
         return None
     title = cmdline[0] if cmdline else ""
+    script = next((RAY_SCRIPTS[k] for part in cmdline[1:3] for k in RAY_SCRIPTS if part.endswith(k)), None)
+    if script:
+        return script
+    if title.startswith("ray-dashboard-"):  # the dashboard's modules, each a process: "ray-dashboard-JobHead-0 (...)"
+        return f"ray dashboard {title[len('ray-dashboard-'):].split('-', 1)[0]}"
+    if "ray.dashboard.subprocesses.module" in " ".join(cmdline):
+        return "ray dashboard forkserver"
+    if "ray.util.client.server" in cmdline:
+        return "ray client server"
     if title.startswith("ray::"):
         name = title[5:].split(".", 1)[0].split(" ", 1)[0]
         if name in ROLES:
@@ -96,25 +148,25 @@ def role_of(proc) -> Optional[str]:
     return RAY_EXECUTABLES.get(Path(title).name, "other")
 
 
-def sample_memory(driver_pid: int, started: float, interval_s: float, poll) -> list[dict[str, Any]]:
-    """RSS of the driver and its Ray descendants until the driver exits."""
+def sample_memory(processes: Callable[[], list[tuple[Any, str]]], started: float, interval_s: float, poll) -> list[dict[str, Any]]:
+    """RSS of every process `processes()` names (process, node) until `poll()` says the run has exited; the
+    driver is the first one named."""
     import psutil
 
-    driver = psutil.Process(driver_pid)
     samples = []
     while poll() is None:
         t = time.time() - started
         rss: dict[str, dict[str, Any]] = {}
         try:
-            procs = [driver, *driver.children(recursive=True)]
+            procs = processes()
         except psutil.NoSuchProcess:
             break
-        for p in procs:
-            role = "driver" if p.pid == driver_pid else role_of(p)
-            if role is None:
+        for i, (p, node) in enumerate(procs):
+            role = "driver" if i == 0 else role_of(p)
+            if role is None or str(p.pid) in rss:
                 continue
             try:
-                rss[str(p.pid)] = {"role": role, "rss": p.memory_info().rss}
+                rss[str(p.pid)] = {"role": role, "node": node, "rss": p.memory_info().rss}
             except psutil.Error:
                 continue
         samples.append({"t": t, "rss": rss})
@@ -125,14 +177,14 @@ def sample_memory(driver_pid: int, started: float, interval_s: float, poll) -> l
 
 
 def growth_per_process(samples: list[dict[str, Any]], warmup_s: float) -> list[dict[str, Any]]:
-    pids = {pid: info["role"] for s in samples for pid, info in s["rss"].items()}
+    pids = {pid: (info["role"], info.get("node", "driver")) for s in samples for pid, info in s["rss"].items()}
     rows = []
-    for pid, role in sorted(pids.items(), key=lambda kv: (kv[1], int(kv[0]))):
+    for pid, (role, node) in sorted(pids.items(), key=lambda kv: (kv[1], int(kv[0]))):
         series = [(s["t"], s["rss"][pid]["rss"]) for s in samples if pid in s["rss"]]
         after = [rss for t, rss in series if t >= warmup_s]
         baseline = median(after[:SPAN_SAMPLES]) if len(after) >= 2 * SPAN_SAMPLES else None
         end = median(after[-SPAN_SAMPLES:]) if baseline is not None else None
-        rows.append({"pid": int(pid), "role": role, "first_s": series[0][0], "last_s": series[-1][0],
+        rows.append({"pid": int(pid), "role": role, "node": node, "first_s": series[0][0], "last_s": series[-1][0],
                      "rss_after_warmup_mb": baseline / 2**20 if baseline else None, "rss_end_mb": end / 2**20 if end else None,
                      "rss_max_mb": max(r for _, r in series) / 2**20,
                      "growth": (end - baseline) / baseline if baseline else None})
@@ -143,10 +195,10 @@ def _print_table(processes: list[dict[str, Any]], worst: Optional[float]) -> Non
     from rich.table import Table
 
     table = Table(title=f"resident memory after warm-up (target: < {GROWTH_TARGET:.0%} growth)")
-    for column in ("process", "pid", "after warm-up MB", "end MB", "max MB", "growth"):
+    for column in ("process", "node", "pid", "after warm-up MB", "end MB", "max MB", "growth"):
         table.add_column(column, justify="right")
     for p in processes:
-        table.add_row(p["role"], str(p["pid"]), _mb(p["rss_after_warmup_mb"]), _mb(p["rss_end_mb"]), _mb(p["rss_max_mb"]),
+        table.add_row(p["role"], p["node"], str(p["pid"]), _mb(p["rss_after_warmup_mb"]), _mb(p["rss_end_mb"]), _mb(p["rss_max_mb"]),
                       "-" if p["growth"] is None else f"{p['growth']:+.1%}")
     progress.console.print(table)
     if worst is None:
@@ -169,7 +221,7 @@ def plot(samples: list[dict[str, Any]], processes: list[dict[str, Any]], warmup_
     for p in processes:
         pid = str(p["pid"])
         series = [(s["t"] / 60, s["rss"][pid]["rss"] / 2**20) for s in samples if pid in s["rss"]]
-        ax.plot(*zip(*series), label=f"{p['role']} ({pid})")
+        ax.plot(*zip(*series), label=f"{p['role']}, {p['node']} ({pid})")
     ax.axvline(warmup_s / 60, color="grey", linestyle="--", label="end of warm-up")
     ax.set_xlabel("minutes since the command started")
     ax.set_ylabel("resident memory (MB)")

@@ -84,11 +84,11 @@ def check_experiment(args) -> Any:
     return config
 
 
-def start(cmd: list[str], log_dir: Path) -> tuple[subprocess.Popen, float]:
+def start(cmd: list[str], log_dir: Path, env: Optional[dict[str, str]] = None) -> tuple[subprocess.Popen, float]:
     log_dir.mkdir(parents=True, exist_ok=True)
     started = time.time()
     proc = subprocess.Popen(cmd, stdout=(log_dir / "stdout.txt").open("w"), stderr=(log_dir / "stderr.txt").open("w"),
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                            env={**(env or os.environ), "PYTHONUNBUFFERED": "1"})
     return proc, started
 
 
