@@ -21,7 +21,8 @@ ONE_ITERATION = ["--set", "stop.iterations=1", "--set", "stop.env_steps=null", "
                  "--set", "scale.env_runners=0", "--set", "rllib.reporting.min_time_s_per_iteration=0"]
 SMALL_PPO = ["--set", "training.train_batch_size_per_learner=128", "--set", "training.minibatch_size=64"]
 # name -> train arguments. Together: every algorithm, MLP / CNN / LSTM models, the three action
-# distributions (categorical, Gaussian, squashed Gaussian), DQN's argmax of Q, and two policies in one run.
+# distributions (categorical, Gaussian, squashed Gaussian), DQN's argmax of Q, two policies in one run,
+# and float64 observations (MuJoCo's).
 CASES = {
     "ppo-mlp": ["--set", "model.hidden=[32]", *SMALL_PPO],
     "ppo-lstm": ["--set", "model={hidden: [16], use_lstm: true, lstm_cell_size: 16, max_seq_len: 10}", *SMALL_PPO],
@@ -29,7 +30,7 @@ CASES = {
     "impala-cnn": ["--set", "algorithm=IMPALA", "--set", "training={}", "--set", "env=rlplatform/PixelCatch-v0",
                    "--set", "env_config={size: 16, frame_stack: 2, paddle_width: 4}",
                    "--set", "model={conv_filters: [[8, [4, 4], 2], [16, [4, 4], 2]], hidden: [32]}"],
-    "sac": ["--set", "algorithm=SAC", "--set", "env=Pendulum-v1", "--set", "model.hidden=[32]",
+    "sac": ["--set", "algorithm=SAC", "--set", "env=HalfCheetah-v5", "--set", "model.hidden=[32]",  # float64 observations
             "--set", "training={num_steps_sampled_before_learning_starts: 100}"],
     "dqn": ["--set", "algorithm=DQN", "--set", "model.hidden=[32]",
             "--set", "training={num_steps_sampled_before_learning_starts: 100}",
@@ -128,7 +129,7 @@ def test_stochastic_export_samples_the_policy_distribution(case, trained, tmp_pa
     from ray.rllib.core.columns import Columns
 
     from rlplatform.adapter.export import InferencePolicy
-    from rlplatform.adapter.policy import load_inference_module, to_env_action
+    from rlplatform.adapter.policy import as_module_input, load_inference_module, to_env_action
     from rlplatform.export.runtime import ExportedPolicy
     from rlplatform.export.writer import export_checkpoint
 
@@ -141,7 +142,7 @@ def test_stochastic_export_samples_the_policy_distribution(case, trained, tmp_pa
     got, _ = ExportedPolicy(tmp_path / described["file"], described, seed=1).act(obs)
     torch.manual_seed(0)
     with torch.no_grad():
-        logits = module.forward_inference({Columns.OBS: torch.as_tensor(obs)})[Columns.ACTION_DIST_INPUTS]
+        logits = module.forward_inference({Columns.OBS: as_module_input(torch.as_tensor(obs))})[Columns.ACTION_DIST_INPUTS]
         samples = module.get_exploration_action_dist_cls().from_logits(logits).sample().numpy()
     reference = np.stack([np.asarray(to_env_action(a, module.action_space, config)) for a in samples])
     if case == "sac":

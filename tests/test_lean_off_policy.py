@@ -138,6 +138,15 @@ def test_prioritized_sampling_follows_the_priorities_and_weights_correct_for_the
     np.testing.assert_allclose(batch["weights"], (priorities[drawn] / priorities.min()) ** -1.0, rtol=1e-5)
 
 
+def test_float64_observations_are_stored_as_float32_as_rllib_hands_them_to_torch():
+    ep = episode("HalfCheetah-v5", seed=0, steps=20)
+    assert ep.get_observations().dtype == np.float64
+    buffer = FlatReplayBuffer(100, gamma=GAMMA, n_step=1)
+    buffer.add([ep])
+    assert buffer.columns["obs"].dtype == buffer.columns["new_obs"].dtype == np.float32
+    np.testing.assert_allclose(buffer.columns["obs"][:20], ep.get_observations()[:20], rtol=1e-6)
+
+
 def test_buffer_state_round_trips_with_pending_tails_and_priorities():
     buffer = FlatReplayBuffer(100, gamma=GAMMA, n_step=3, prioritized=True, seed=1)
     buffer.add([episode("Pendulum-v1", seed=0, steps=30), episode("Pendulum-v1", seed=1, steps=10, finish=False)])
@@ -182,7 +191,8 @@ def named_grads(learner, grads: dict) -> dict[str, torch.Tensor]:
     return {names[p]: g for p, g in grads.items() if g is not None}
 
 
-CASES = [("pendulum_sac", "Pendulum-v1", 3, True), ("cartpole_dqn", "CartPole-v1", 1, False)]
+CASES = [("pendulum_sac", "Pendulum-v1", 3, True), ("cartpole_dqn", "CartPole-v1", 1, False),
+         ("halfcheetah_sac", "HalfCheetah-v5", 1, False)]  # MuJoCo's observations are float64
 
 
 def test_the_presets_use_the_lean_path_and_the_switch_turns_it_off():

@@ -14,6 +14,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from rlplatform.adapter.policy import as_module_input
 from rlplatform.config.schema import ExperimentConfig
 from rlplatform.errors import UserError
 
@@ -79,6 +80,7 @@ class InferencePolicy(torch.nn.Module):
 
         noise = rest[0] if self.stochastic else None
         state_leaves = list(rest[1:] if self.stochastic else rest)
+        obs = as_module_input(obs)  # the export takes the env's dtype (float64 for MuJoCo)
         batch: dict[str, Any] = {Columns.OBS: obs}
         if self.stateful:
             batch[Columns.OBS] = obs.unsqueeze(1)  # [B, T=1, ...]

@@ -41,13 +41,21 @@ def check_loads(checkpoint: Path, module_id: Optional[str] = None) -> None:
     load_inference_module(checkpoint, module_id or next(iter(module_ids(checkpoint)), None))
 
 
+def as_module_input(obs):
+    """Observations as RLlib's NumpyToTensor hands them to a module: floats other than float16 as float32
+    (MuJoCo's are float64; the module's weights are float32)."""
+    import torch
+
+    return obs.float() if obs.is_floating_point() and obs.dtype != torch.float16 else obs
+
+
 def greedy_actions(module, observations, state=None):
     """Deterministic actions for a batch of observations (and the next RNN state, if any)."""
     import numpy as np
     import torch
     from ray.rllib.core.columns import Columns
 
-    batch: dict[str, Any] = {Columns.OBS: torch.as_tensor(np.asarray(observations))}
+    batch: dict[str, Any] = {Columns.OBS: as_module_input(torch.as_tensor(np.asarray(observations)))}
     if state is not None:
         batch[Columns.STATE_IN] = state
         batch[Columns.OBS] = batch[Columns.OBS].unsqueeze(1)  # [B, T=1, ...]

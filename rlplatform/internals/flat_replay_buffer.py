@@ -117,8 +117,8 @@ class FlatReplayBuffer:
         for episode in episodes:
             self.add_fragment(
                 episode.id_,
-                np.asarray(episode.get_observations()),
-                np.asarray(episode.get_actions()),
+                _single_precision(episode.get_observations()),
+                _single_precision(episode.get_actions()),
                 np.asarray(episode.get_rewards(), dtype=np.float32),
                 terminated=episode.is_terminated,
                 done=episode.is_done,
@@ -240,3 +240,10 @@ class FlatReplayBuffer:
     def get_metrics(self) -> dict[str, Any]:
         return {"num_env_steps_stored": self.size, "num_env_steps_added_lifetime": self.added,
                 "num_env_steps_sampled_lifetime": self.sampled}
+
+
+def _single_precision(values) -> np.ndarray:
+    """float64 as float32, as RLlib's learner connector hands them to torch (MuJoCo's observations are float64):
+    the module's weights are float32, and the buffer holds half the bytes."""
+    array = np.asarray(values)
+    return array.astype(np.float32) if array.dtype == np.float64 else array
