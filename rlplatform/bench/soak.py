@@ -107,7 +107,12 @@ def _cluster(nodes: int, cpus: float) -> Iterator[Optional[LoopbackCluster]]:
     if not nodes:
         yield None
         return
-    with LoopbackCluster(workers=nodes - 1, cpus=cpus) as cluster:
+    try:
+        cluster = LoopbackCluster(workers=nodes - 1, cpus=cpus)
+    except RuntimeError as exc:  # `ray start` failed or a node did not come up: one line, not a traceback
+        lines = str(exc).strip().splitlines() or [""]
+        raise TrainingFailed(f"the loopback cluster did not start: {' '.join(dict.fromkeys([lines[0], lines[-1]]))}") from None
+    with cluster:
         yield cluster
 
 
