@@ -5,6 +5,7 @@ by process id); conftest.py builds its `ray_head` fixture from `RayNode` and re-
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -14,6 +15,18 @@ from rlplatform.infra.loopback import RayNode, free_port, ray_executable, token_
 
 ROOT = Path(__file__).resolve().parent.parent
 RAY = ray_executable()
+
+
+def alive(pid: int) -> bool:
+    """The process runs (a zombie is dead)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[-1][0] != "Z"
+    except OSError:
+        return False
 
 
 def alive_nodes(address: str, env: dict[str, str]) -> int:

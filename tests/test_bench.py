@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from conftest import ROOT, assert_user_error, read_metrics, run_cli
+from multinode import alive
 from rlplatform.infra.loopback import CLUSTER_RAY_ENV
 
 DEFAULT = ROOT / "experiments" / "cartpole_ppo.yaml"
@@ -111,23 +112,11 @@ def test_soak_on_a_loopback_cluster_reads_every_process_of_every_node(tmp_path):
     assert {("driver", "driver"), ("ray gcs server", "head"), ("ray dashboard", "head"), ("ray raylet", "head"),
             ("ray raylet", "worker 1"), ("env runner", "worker 1"), ("ray dashboard agent", "worker 1")} <= found, found
     assert data["worst_growth"] == max(p["growth"] for p in data["processes"] if p["growth"] is not None)
+    pids = [p["pid"] for p in data["processes"]]
     deadline = time.time() + 20  # SIGKILLed processes take a moment to go
-    while _alive([p["pid"] for p in data["processes"]]) and time.time() < deadline:
+    while any(map(alive, pids)) and time.time() < deadline:
         time.sleep(0.5)
-    assert not _alive([p["pid"] for p in data["processes"]]), "the soak left a process of its cluster running"
-
-
-def _alive(pids: list[int]) -> list[int]:
-    import psutil
-
-    alive = []
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                alive.append(pid)
-        except psutil.NoSuchProcess:
-            continue
-    return alive
+    assert not any(map(alive, pids)), "the soak left a process of its cluster running"
 
 
 def test_bad_bench_input_is_refused_before_ray_starts(tmp_path):

@@ -31,8 +31,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from multinode import RAY, ROOT, alive_nodes, free_port, read_metrics, token_env
-from rlplatform.infra.loopback import CLUSTER_RAY_ENV
+from multinode import RAY, ROOT, alive, alive_nodes, free_port, read_metrics, token_env
+from rlplatform.infra.loopback import CLUSTER_RAY_ENV, node_process
 
 SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
 TEMPLATE = ROOT / "cluster" / "onprem-loopback.yaml.in"
@@ -148,17 +148,6 @@ def _launcher(verb: str, config: Path, env: dict[str, str], timeout: float, *fla
                           cwd=config.parent, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie is dead
-        return Path(f"/proc/{pid}/stat").read_text().split(") ")[-1][0] != "Z"
-    except OSError:
-        return False
-
-
 def _kill_by_cmdline(fragment: str) -> None:
     """Our own stragglers only: processes whose command line holds this test's unique path."""
     for proc_dir in Path("/proc").iterdir():
@@ -173,16 +162,6 @@ def _kill_by_cmdline(fragment: str) -> None:
                 os.kill(int(proc_dir.name), signal.SIGKILL)
             except ProcessLookupError:
                 pass
-
-
-def _gcs_server(temp_dir: Path):
-    import psutil
-
-    for proc in psutil.process_iter(["cmdline"]):
-        cmdline = proc.info["cmdline"] or []
-        if cmdline and cmdline[0].endswith("/gcs_server") and any(str(temp_dir) in part for part in cmdline):
-            return proc
-    raise AssertionError(f"no GCS server under {temp_dir}")
 
 
 def test_ray_up_and_down_on_this_machine() -> None:
@@ -279,7 +258,7 @@ def test_ray_up_and_down_on_this_machine() -> None:
         assert nodes == 2, f"{nodes} alive nodes at {address} after ray up; monitor log:\n{monitor_log}"
         print(f"ray up + worker joined in {time.time() - started:.0f} s")
         # The head's GCS runs with the cluster configs' task-event limit (bench soak --nodes measured it).
-        gcs = _gcs_server(base / "h")
+        gcs = node_process(base / "h", "gcs_server")
         assert {k: gcs.environ().get(k) for k in CLUSTER_RAY_ENV} == CLUSTER_RAY_ENV
 
         # A tiny real training run on the launched cluster, its env runner on the other node.
@@ -306,7 +285,7 @@ def test_ray_up_and_down_on_this_machine() -> None:
             time.sleep(0.5)
         assert not _tcp_open(HEAD_IP, gcs_port), "the head's GCS still answers after ray down"
         assert all(m.process.poll() is None for m in machines), "an sshd died"
-        assert _alive(sentinel.pid), "ray down's `ray stop` killed a process outside the head's namespace"
+        assert alive(sentinel.pid), "ray down's `ray stop` killed a process outside the head's namespace"
         assert {name: (Path.home() / name).exists() for name in real_home} == real_home, "the launcher wrote into ~"
     finally:
         for machine in reversed(machines):

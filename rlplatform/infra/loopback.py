@@ -54,6 +54,18 @@ def token_env(fast_failure_detection: bool = False) -> dict[str, str]:
     return env
 
 
+def node_process(temp_dir, executable: str):
+    """The psutil.Process of a Ray executable (`raylet`, `gcs_server`) of the node whose temp dir is `temp_dir`,
+    however the node was started (`ray start`, `ray up`); RuntimeError if there is none."""
+    import psutil
+
+    for proc in psutil.process_iter(["cmdline"]):
+        cmdline = proc.info["cmdline"] or []
+        if cmdline and cmdline[0].endswith(f"/{executable}") and any(str(temp_dir) in part for part in cmdline):
+            return proc
+    raise RuntimeError(f"no {executable} found under {temp_dir}")
+
+
 class RayNode:
     """`ray start --block` in its own session: a head (address None) or a worker joining `address`.
 
@@ -127,14 +139,7 @@ class RayNode:
         return list(found.values())
 
     def raylet_pid(self) -> int:
-        for proc in self.processes():
-            try:
-                cmdline = proc.cmdline()
-            except Exception:  # gone
-                continue
-            if cmdline and cmdline[0].endswith("/raylet"):
-                return proc.pid
-        raise RuntimeError(f"no raylet found under {self.temp_dir}")
+        return node_process(self.temp_dir, "raylet").pid
 
     def kill_raylet(self) -> None:
         os.kill(self.raylet_pid(), signal.SIGKILL)
