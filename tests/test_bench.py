@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import time
+from pathlib import Path
 
 import pytest
 import yaml
@@ -128,6 +129,10 @@ def test_bad_bench_input_is_refused_before_ray_starts(tmp_path):
     assert_user_error(run_cli("bench", "soak", "--nodes", "1", "-o", tmp_path), "--nodes")
     assert_user_error(run_cli("bench", "learner", DEFAULT, "-o", tmp_path), "cartpole-ppo is PPO")
     assert_user_error(run_cli("bench", "learner", "--rounds", "0", "-o", tmp_path), "--rounds")
+    assert_user_error(run_cli("bench", "scale", "--runners", "0", "-o", tmp_path), "--runners")
+    assert_user_error(run_cli("bench", "scale", "--address", "127.0.0.1:6379", "-o", tmp_path), "--address")
+    assert_user_error(run_cli("bench", "scale", "--runners", "5000", "-o", tmp_path), "5000 runners do not fit")
+    assert_user_error(run_cli("bench", "scale", "--fit", tmp_path / "none.json", "-o", tmp_path / "fit"), "none.json")
     assert not list(tmp_path.iterdir())
 
 
@@ -179,3 +184,37 @@ def test_gpu_preset_without_a_gpu_learner_measures_the_cpu_baseline(tmp_path):
     else:  # the system panel reads every GPU of the machine, used by the run or not
         assert data["gpu_util_percent"] is not None and 0 <= data["gpu_util_percent"] <= 100
     assert "learner on the CPU" in result.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.cluster
+def test_scale_measures_waiting_runners_over_a_loopback_node_and_fits_the_cost_model(tmp_path):
+    result = run_cli("bench", "scale", "--runners", "2", "4", "--nodes", "1", "--node-cpus", "2", "--iterations", "2",
+                     "--fragments", "10", "--wait-ms", "50", "--interval", "1", "-o", tmp_path, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    (path,) = tmp_path.glob("scale-costly-sim-ppo-*/scale.json")
+    assert (path.parent / "scale.png").is_file()
+    data = json.loads(path.read_text())
+    assert data["nodes"] == 1 and data["wait_ms"] == 50 and data["runner_cpus"] > 0
+    assert [p["runners"] for p in data["points"]] == [2, 4]
+    for point in data["points"]:
+        assert "error" not in point, point
+        assert point["ideal_env_steps_per_s"] == point["runners"] * 20
+        assert 0.3 < point["of_ideal"] <= 1.05, point  # a waiting env cannot step faster than its clock
+        assert point["env_steps_per_iteration"] == point["runners"] * 10
+        assert point["sample_s"] >= point["env_time_s"] * 0.95 and point["learn_s"] > 0 and point["sync_weights_s"] > 0
+        assert point["broadcast_s"] >= point["sync_weights_s"] and point["object_store_mb_per_iteration"] > 0
+        assert point["runner_processes"] == point["runners"] and "worker 1" in point["runner_nodes"]
+        assert 0 < point["runner_uss_mb"] < point["runner_rss_mb"]
+        assert {"driver", "algorithm + local learner", "env runner", "ray"} <= set(point["cpu_percent"]), point["cpu_percent"]
+        assert 0 < point["startup_first_sample_s"] < 300
+        # Every iteration's own times (RLlib smooths its timers; the run's tags must not be smoothed):
+        (metrics,) = Path(point["run_dir"]).glob("metrics.jsonl")
+        for row in map(json.loads, metrics.read_text().splitlines()):
+            assert row["time/sample_s"] + row["time/learn_s"] <= row["time/iteration_s"] + 0.01, row
+    assert "gather s" in result.stdout and "runner USS MB" in result.stdout
+    fit = run_cli("bench", "scale", "--fit", path, "-o", tmp_path)
+    assert fit.returncode == 0, fit.stdout + fit.stderr
+    model = json.loads((tmp_path / "scale-fit.json").read_text())
+    assert model["points"] == 2 and [r["runners"] for r in model["extrapolation"]] == [256, 1000]
+    assert "d: per MB per runner (s)" in model["left_out"]  # one model: nothing to tell the broadcast's cost apart

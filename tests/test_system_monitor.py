@@ -55,16 +55,22 @@ def test_the_object_store_figure_is_dropped_alone_when_its_reading_fails(monkeyp
             figures = monitor.sample()
             assert "ray/object_store_used_gb" in figures  # ray_stats' internal reading works on this Ray
             assert any(k.endswith("/cpu_percent") for k in figures), figures
+            import numpy as np
+            import time
+
+            block = ray.put(np.ones(4 * 2**20, dtype=np.uint8))  # 4 MiB: stored in the object store, not inlined
+            time.sleep(0.6)
+            created = monitor.sample()["ray/object_store_created_gb"] - figures["ray/object_store_created_gb"]
+            assert created * 1024**3 >= 4 * 2**20, created  # the traffic counter counts what was put
+            del block
 
             def broken(nodes):
                 raise RuntimeError("node_stats changed")
 
-            monkeypatch.setattr(ray_stats, "object_store_used_bytes", broken)
-            import time
-
+            monkeypatch.setattr(ray_stats, "object_store_bytes", broken)
             time.sleep(0.6)
             figures = monitor.sample()
-            assert "ray/object_store_used_gb" not in figures
+            assert "ray/object_store_used_gb" not in figures and "ray/object_store_created_gb" not in figures
             assert any(k.endswith("/cpu_percent") for k in figures), figures
         finally:
             monitor.stop()

@@ -5,15 +5,16 @@
 - `soak`: resident memory of the driver and every runner and learner over a long run.
 - `learner`: DQN/SAC learner updates per second: the lean learner, RLlib's, and plain torch.
 - `gpu`: the Atari Pong APPO preset on a GPU learner: learner throughput and GPU utilisation.
+- `scale`: many env runners (and nodes) whose envs wait: throughput against the ideal, where the time goes, memory per runner.
 """
 
 from __future__ import annotations
 
 
 def add_parser(subparsers) -> None:
-    from rlplatform.bench import gpu, learner, soak, solve, throughput
+    from rlplatform.bench import gpu, learner, scale, soak, solve, throughput
 
-    p = subparsers.add_parser("bench", help="benchmarks: sampling throughput, time to solve, memory soak, learner updates, GPU learner")
-    verbs = p.add_subparsers(dest="bench_verb", metavar="{throughput,solve,soak,learner,gpu}", required=True, parser_class=type(p))
-    for verb in (throughput, solve, soak, learner, gpu):
+    p = subparsers.add_parser("bench", help="benchmarks: sampling throughput, time to solve, memory soak, learner updates, GPU learner, scale")
+    verbs = p.add_subparsers(dest="bench_verb", metavar="{throughput,solve,soak,learner,gpu,scale}", required=True, parser_class=type(p))
+    for verb in (throughput, solve, soak, learner, gpu, scale):
         verb.add_verb(verbs)

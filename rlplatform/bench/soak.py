@@ -18,36 +18,21 @@ Results: `<output>/soak-<name>-<time>/soak.json` and `soak.png`.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 from rlplatform.run import progress
 from rlplatform.bench.training_runs import (
     add_training_arguments, bench_dir, check_experiment, finish, median, start, train_command, wall_clock_only, write_json,
 )
 from rlplatform.errors import TrainingFailed, UserError
-from rlplatform.infra.loopback import CLUSTER_RAY_ENV, LoopbackCluster
+from rlplatform.bench.processes import loopback_cluster, role_of, run_processes
+from rlplatform.infra.loopback import CLUSTER_RAY_ENV
 
 GROWTH_TARGET = 0.05
 SPAN_SAMPLES = 3  # samples whose median stands for "RSS at the end of the warm-up" and "RSS at the end"
-ROLES = {  # Ray's process title of an actor is "ray::<ClassName>[.method]"
-    "AlgorithmHost": "algorithm + local learner",
-    "LeanEnvRunner": "env runner",
-    "SingleAgentEnvRunner": "env runner",
-    "MultiAgentEnvRunner": "env runner",
-    "Learner": "learner",
-    "NodeProbe": "system monitor",
-    "DashboardAgent": "ray dashboard agent",
-    "RuntimeEnvAgent": "ray runtime env agent",
-}
-RAY_EXECUTABLES = {"gcs_server": "ray gcs server", "raylet": "ray raylet"}
-RAY_SCRIPTS = {  # Ray's Python daemons of a node started by `ray start`, by the script they run
-    "dashboard/dashboard.py": "ray dashboard", "dashboard/agent.py": "ray dashboard agent",
-    "runtime_env/agent/main.py": "ray runtime env agent", "autoscaler/_private/monitor.py": "ray autoscaler monitor",
-    "_private/log_monitor.py": "ray log monitor",
-}
+
 
 
 def add_verb(verbs) -> None:
@@ -74,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--warmup-minutes ({warmup_s / 60:g}) must be shorter than --minutes ({args.minutes:g})")
     config = check_experiment(args)
     root = bench_dir(args.output, "soak", config.name)
-    with _cluster(args.nodes, args.node_cpus) as cluster:
+    with loopback_cluster(args.nodes, args.node_cpus) as cluster:
         if cluster is not None:
             args.address = cluster.address
             progress.say(f"soak: a cluster of {args.nodes} loopback nodes at {cluster.address} "
@@ -84,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
                               env=cluster.head.env if cluster else None)
         progress.say(f"soak: training {config.name} for {args.minutes:g} min, memory every {args.interval:g} s "
                      f"(growth measured after {warmup_s / 60:g} min)")
-        samples = sample_memory(lambda: _processes(proc.pid, cluster), started, args.interval, poll=proc.poll)
+        samples = sample_memory(lambda: run_processes(proc.pid, cluster), started, args.interval, poll=proc.poll)
         run_ = finish(proc, started, root / "run", root / "run", timeout_s=120)
     if run_.returncode != 0:
         raise TrainingFailed(run_.failure())
@@ -100,57 +85,6 @@ def run(args: argparse.Namespace) -> int:
     _print_table(processes, worst)
     progress.say(f"written: {path}, {root / 'soak.png'}")
     return 0
-
-
-@contextlib.contextmanager
-def _cluster(nodes: int, cpus: float) -> Iterator[Optional[LoopbackCluster]]:
-    if not nodes:
-        yield None
-        return
-    try:
-        cluster = LoopbackCluster(workers=nodes - 1, cpus=cpus)
-    except RuntimeError as exc:  # `ray start` failed or a node did not come up: one line, not a traceback
-        lines = str(exc).strip().splitlines() or [""]
-        raise TrainingFailed(f"the loopback cluster did not start: {' '.join(dict.fromkeys([lines[0], lines[-1]]))}") from None
-    with cluster:
-        yield cluster
-
-
-def _processes(driver_pid: int, cluster: Optional[LoopbackCluster]) -> list[tuple[Any, str]]:
-    """(process, node) for the driver and its descendants, and every process of every node of the cluster."""
-    import psutil
-
-    driver = psutil.Process(driver_pid)
-    found = [(p, "driver") for p in [driver, *driver.children(recursive=True)]]
-    for i, node in enumerate(cluster.nodes if cluster else []):
-        found += [(p, "head" if i == 0 else f"worker {i}") for p in node.processes()]
-    return found
-
-
-def role_of(proc) -> Optional[str]:
-    """What a process under the driver is, from Ray's process title or executable; None for idle workers."""
-    try:
-        cmdline = proc.cmdline()
-    except Exception:  # gone, or not ours to read
-        return None
-    title = cmdline[0] if cmdline else ""
-    script = next((RAY_SCRIPTS[k] for part in cmdline[1:3] for k in RAY_SCRIPTS if part.endswith(k)), None)
-    if script:
-        return script
-    if title.startswith("ray-dashboard-"):  # the dashboard's modules, each a process: "ray-dashboard-JobHead-0 (...)"
-        return f"ray dashboard {title[len('ray-dashboard-'):].split('-', 1)[0]}"
-    if "ray.dashboard.subprocesses.module" in " ".join(cmdline):
-        return "ray dashboard forkserver"
-    if "ray.util.client.server" in cmdline:
-        return "ray client server"
-    if title.startswith("ray::"):
-        name = title[5:].split(".", 1)[0].split(" ", 1)[0]
-        if name in ROLES:
-            return ROLES[name]
-        if name.endswith("Learner"):  # PPOTorchLearner and friends, when remote
-            return "learner"
-        return None if name == "IDLE" else f"ray {name}"
-    return RAY_EXECUTABLES.get(Path(title).name, "other")
 
 
 def sample_memory(processes: Callable[[], list[tuple[Any, str]]], started: float, interval_s: float, poll) -> list[dict[str, Any]]:

@@ -159,13 +159,14 @@ class SystemMonitor:
                 for key, value in gpu.items():
                     metrics[f"system/gpu{gpu_index}/{key}"] = value
                 gpu_index += 1
-        used = self._guarded("object store", self._object_store_used_bytes, alive) if self._object_store else None
-        if used is not None:
-            metrics["ray/object_store_used_gb"] = used / 1024**3
+        store = self._guarded("object store", self._object_store_bytes, alive) if self._object_store else None
+        if store is not None:
+            metrics["ray/object_store_used_gb"] = store[0] / 1024**3
+            metrics["ray/object_store_created_gb"] = store[1] / 1024**3  # cumulative: bytes moved through the stores
         return metrics
 
     @staticmethod
-    def _object_store_used_bytes(nodes: list[dict[str, Any]]) -> Optional[float]:
-        from rlplatform.internals.ray_stats import object_store_used_bytes
+    def _object_store_bytes(nodes: list[dict[str, Any]]) -> Optional[tuple[float, float]]:
+        from rlplatform.internals.ray_stats import object_store_bytes
 
-        return object_store_used_bytes(nodes)
+        return object_store_bytes(nodes)

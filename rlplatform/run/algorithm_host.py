@@ -44,9 +44,11 @@ class AlgorithmHost:
         self.algo = algorithm_config.build_algorithm_config(config, main_process_resources).build_algo()
 
     def train(self) -> dict[str, Any]:
-        from rlplatform.adapter.results import from_rllib_result
+        from rlplatform.adapter.results import from_rllib_result, start_timers_afresh
 
-        return from_rllib_result(self.algo.train(), self._epochs)
+        result = from_rllib_result(self.algo.train(), self._epochs)
+        start_timers_afresh(self.algo)
+        return result
 
     def save(self, path: str) -> None:
         self.algo.save_to_path(path)

@@ -1,0 +1,79 @@
+"""The processes of a benchmark's training run, and what each one is: the `train` process, everything below it,
+and every process of the loopback nodes a benchmark starts for it (`bench soak --nodes`, `bench scale --nodes`)."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+from rlplatform.errors import TrainingFailed
+from rlplatform.infra.loopback import LoopbackCluster
+
+ROLES = {  # Ray's process title of an actor is "ray::<ClassName>[.method]"
+    "AlgorithmHost": "algorithm + local learner",
+    "LeanEnvRunner": "env runner",
+    "SingleAgentEnvRunner": "env runner",
+    "MultiAgentEnvRunner": "env runner",
+    "Learner": "learner",
+    "NodeProbe": "system monitor",
+    "DashboardAgent": "ray dashboard agent",
+    "RuntimeEnvAgent": "ray runtime env agent",
+}
+RAY_EXECUTABLES = {"gcs_server": "ray gcs server", "raylet": "ray raylet"}
+RAY_SCRIPTS = {  # Ray's Python daemons of a node started by `ray start`, by the script they run
+    "dashboard/dashboard.py": "ray dashboard", "dashboard/agent.py": "ray dashboard agent",
+    "runtime_env/agent/main.py": "ray runtime env agent", "autoscaler/_private/monitor.py": "ray autoscaler monitor",
+    "_private/log_monitor.py": "ray log monitor",
+}
+
+
+@contextlib.contextmanager
+def loopback_cluster(nodes: int, cpus: float) -> Iterator[Optional[LoopbackCluster]]:
+    if not nodes:
+        yield None
+        return
+    try:
+        cluster = LoopbackCluster(workers=nodes - 1, cpus=cpus)
+    except RuntimeError as exc:  # `ray start` failed or a node did not come up: one line, not a traceback
+        lines = str(exc).strip().splitlines() or [""]
+        raise TrainingFailed(f"the loopback cluster did not start: {' '.join(dict.fromkeys([lines[0], lines[-1]]))}") from None
+    with cluster:
+        yield cluster
+
+
+def run_processes(driver_pid: int, cluster: Optional[LoopbackCluster]) -> list[tuple[Any, str]]:
+    """(process, node) for the driver and its descendants, and every process of every node of the cluster."""
+    import psutil
+
+    driver = psutil.Process(driver_pid)
+    found = [(p, "driver") for p in [driver, *driver.children(recursive=True)]]
+    for i, node in enumerate(cluster.nodes if cluster else []):
+        found += [(p, "head" if i == 0 else f"worker {i}") for p in node.processes()]
+    return found
+
+
+def role_of(proc) -> Optional[str]:
+    """What a process under the driver is, from Ray's process title or executable; None for idle workers."""
+    try:
+        cmdline = proc.cmdline()
+    except Exception:  # gone, or not ours to read
+        return None
+    title = cmdline[0] if cmdline else ""
+    script = next((RAY_SCRIPTS[k] for part in cmdline[1:3] for k in RAY_SCRIPTS if part.endswith(k)), None)
+    if script:
+        return script
+    if title.startswith("ray-dashboard-"):  # the dashboard's modules, each a process: "ray-dashboard-JobHead-0 (...)"
+        return f"ray dashboard {title[len('ray-dashboard-'):].split('-', 1)[0]}"
+    if "ray.dashboard.subprocesses.module" in " ".join(cmdline):
+        return "ray dashboard forkserver"
+    if "ray.util.client.server" in cmdline:
+        return "ray client server"
+    if title.startswith("ray::"):
+        name = title[5:].split(".", 1)[0].split(" ", 1)[0]
+        if name in ROLES:
+            return ROLES[name]
+        if name.endswith("Learner"):  # PPOTorchLearner and friends, when remote
+            return "learner"
+        return None if name == "IDLE" else f"ray {name}"
+    return RAY_EXECUTABLES.get(Path(title).name, "other")
