@@ -108,7 +108,7 @@ def test_with_the_switch_off_the_algorithm_config_is_plain_rllib():
         "assert off.callbacks_on_episode_end is record_episode\n"
         "assert connector_v2.inspect is inspect  # nothing installed in this process\n"
         "on = build_algorithm_config(resolve_experiment(None).config)\n"
-        "assert on.env_runner_cls.__name__ == 'LeanEnvRunner' and on.learner_class.__name__ == 'LeanPPOTorchLearner'\n"
+        "assert on.env_runner_cls.__name__ == 'SlimEnvRunner' and on.learner_class.__name__ == 'LeanPPOTorchLearner'\n"
         "assert connector_v2.inspect is not inspect\n"
         "print('ok')\n"
     )

@@ -173,3 +173,11 @@ def test_multi_agent_returns_per_policy():
 def test_an_empty_result_maps_to_zeros_and_no_none():
     assert from_rllib_result({}) == {"iteration": 0, "env_steps": 0, "episode_returns": [], "episode_lengths": [],
                                      "env_steps_sampled_this_iter": 0.0, "time/iteration_s": 0.0}
+
+
+def test_weights_apply_time_maps_to_our_name():
+    from rlplatform.internals import WEIGHTS_APPLY_S
+
+    m = from_rllib_result({"env_runners": {WEIGHTS_APPLY_S: 0.125}, "training_iteration": 1})
+    assert m["time/weights_apply_s"] == 0.125
+    assert "time/weights_apply_s" not in from_rllib_result({"env_runners": {}, "training_iteration": 1})

@@ -12,6 +12,7 @@ algorithm, an env runner or a learner is built.
 
 from __future__ import annotations
 
+import functools
 import sys
 from typing import Any, Optional
 
@@ -19,6 +20,8 @@ VERIFIED_RAY_VERSION = "2.60.0"
 LEAN_LEARNER_ALGORITHMS = ("PPO", "APPO", "IMPALA")
 LEAN_OFF_POLICY_ALGORITHMS = ("DQN", "SAC")
 _warned_versions: set[str] = set()
+# The env runners' metric (reduce max) of how long applying synced weights took, fetch included.
+WEIGHTS_APPLY_S = "rlp_weights_apply_s"
 
 
 def ray_version() -> str:
@@ -73,12 +76,71 @@ def install_in_process() -> None:
 
 
 def env_runner_class(config: Any) -> Optional[type]:
-    """The lean env runner for single-agent experiments (it falls back to RLlib's path where it does not apply)."""
+    """The lean env runner for single-agent experiments (it falls back to RLlib's path where it does not apply);
+    its torch-free kind (remote runners act with a numpy policy) where `numpy_policy_applies`."""
     if config.multi_agent is not None:
         return None
+    if numpy_policy_applies(config):
+        from rlplatform.internals.slim_env_runner import SlimEnvRunner
+
+        return SlimEnvRunner
     from rlplatform.internals.lean_env_runner import LeanEnvRunner
 
     return LeanEnvRunner
+
+
+NUMPY_POLICY_ALGORITHMS = ("PPO", "APPO", "IMPALA")
+# Pass-through settings that could change the module, the connector pipelines, the callbacks' view of the
+# module or the sampling mode: with any of them, remote runners keep torch.
+_RLLIB_METHODS_AGAINST_NUMPY_POLICY = {"rl_module", "callbacks", "framework", "api_stack", "evaluation", "multi_agent"}
+_ENV_RUNNER_KEYS_AGAINST_NUMPY_POLICY = {
+    "env_to_module_connector", "module_to_env_connector", "add_default_connectors_to_env_to_module_pipeline",
+    "add_default_connectors_to_module_to_env_pipeline", "env_runner_cls", "num_gpus_per_env_runner", "batch_mode",
+    "explore",
+}
+
+
+def numpy_policy_applies(config: Any) -> bool:
+    """Remote env runners may act with a numpy policy (internals/numpy_policy.py) and load no torch.
+
+    Decided here, on the driver, because a runner process that starts without torch cannot load it
+    later: PPO, APPO or IMPALA with RLlib's default MLP module (no LSTM), remote CPU runners, no
+    pass-through setting that changes the module, the pipelines or the sampling mode, and an env
+    (built once here to read its spaces) with a 1-D Box observation and a Discrete or 1-D Box action.
+    """
+    rllib = config.rllib
+    if (config.algorithm not in NUMPY_POLICY_ALGORITHMS or config.multi_agent is not None or not config.scale.env_runners
+            or config.model.use_lstm or not config.model.hidden or config.hardware.gpus_per_env_runner
+            or set(rllib) & _RLLIB_METHODS_AGAINST_NUMPY_POLICY
+            or set(rllib.get("env_runners") or {}) & _ENV_RUNNER_KEYS_AGAINST_NUMPY_POLICY):
+        return False
+    import json
+
+    return _spaces_fit(config.env, json.dumps(dict(config.env_config), sort_keys=True, default=repr))
+
+
+@functools.lru_cache(maxsize=64)
+def _spaces_fit(env: str, env_config_json: str) -> bool:
+    import json
+
+    import gymnasium as gym
+
+    from rlplatform.config.env_ids import make_env
+
+    try:
+        instance = make_env(env, **json.loads(env_config_json))
+    except Exception:  # an env the driver cannot build: the runners keep torch
+        return False
+    try:
+        obs, act = instance.observation_space, instance.action_space
+    finally:
+        try:
+            instance.close()
+        except Exception:
+            pass
+    return (isinstance(obs, gym.spaces.Box) and len(obs.shape) == 1
+            and ((isinstance(act, gym.spaces.Discrete) and int(act.start) == 0)
+                 or (isinstance(act, gym.spaces.Box) and len(act.shape) == 1)))
 
 
 def learner_class(config: Any) -> Optional[type]:

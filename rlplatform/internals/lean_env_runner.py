@@ -21,19 +21,25 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+import time
+from typing import TYPE_CHECKING
+
 import gymnasium as gym
 import numpy as np
-import torch
+import ray
 from ray.rllib.callbacks.callbacks import RLlibCallback
+from ray.rllib.core import COMPONENT_RL_MODULE
 from ray.rllib.core.columns import Columns
-from ray.rllib.core.distribution.torch.torch_distribution import TorchCategorical
 from ray.rllib.env.env_runner import ENV_STEP_FAILURE
 from ray.rllib.env.single_agent_env_runner import SingleAgentEnvRunner
 from ray.rllib.utils.metrics import WEIGHTS_SEQ_NO
 from ray.rllib.utils.spaces.space_utils import clip_action, unsquash_action
 
-from rlplatform.internals import install_in_process
+from rlplatform.internals import WEIGHTS_APPLY_S, install_in_process
 from rlplatform.internals.episode_transport import PackedEpisodes
+
+if TYPE_CHECKING:
+    import torch
 
 DEFAULT_ENV_TO_MODULE = ("AddObservationsFromEpisodesToBatch", "AddTimeDimToBatchAndZeroPad",
                          "AddStatesFromEpisodesToBatch", "BatchIndividualItems", "NumpyToTensor")
@@ -47,12 +53,29 @@ class LeanEnvRunner(SingleAgentEnvRunner):
     def __init__(self, *args: Any, **kwargs: Any):
         install_in_process()  # before EnvRunner.__init__ seeds torch and builds the connector pipelines
         super().__init__(*args, **kwargs)
-        if self.worker_index > 0:  # the local runner lives in the main process, which sets its own
+        if self.worker_index > 0 and not self._torch_free():  # the local runner lives in the main process
+            import torch
+
             # As many torch threads as CPUs this actor reserved: no oversubscription (torch takes every core).
             torch.set_num_threads(max(1, int(self.config.num_cpus_per_env_runner)))
         self.lean = self.env is not None and lean_path_applies(self)
         self._heard_episode_events = {event for event in EPISODE_EVENTS if self._someone_listens(event)}
         self._next_obs: Optional[np.ndarray] = None  # the batch the next actions are computed from
+
+    def _torch_free(self) -> bool:
+        """Whether this runner computes actions without torch (SlimEnvRunner's numpy policy)."""
+        return False
+
+    def set_state(self, state: dict) -> None:
+        """RLlib's, timing the weights' arrival (the object-store fetch included) into the metrics."""
+        if COMPONENT_RL_MODULE not in state:
+            super().set_state(state)
+            return
+        start = time.perf_counter()
+        if isinstance(state[COMPONENT_RL_MODULE], ray.ObjectRef):
+            state = {**state, COMPONENT_RL_MODULE: ray.get(state[COMPONENT_RL_MODULE])}
+        super().set_state(state)
+        self.metrics.log_value(WEIGHTS_APPLY_S, time.perf_counter() - start, reduce="max")
 
     def _someone_listens(self, event: str) -> bool:
         """A callback function is configured for the event, or a callback object overrides RLlib's no-op method."""
@@ -124,6 +147,9 @@ class LeanEnvRunner(SingleAgentEnvRunner):
 
     def _compute_actions(self, observations: np.ndarray, explore: bool, t: int) -> dict[str, np.ndarray]:
         """What RLlib's default env-to-module pipeline, forward pass and GetActions/TensorToNumpy produce."""
+        import torch
+        from ray.rllib.core.distribution.torch.torch_distribution import TorchCategorical
+
         module = self.module
         obs = torch.from_numpy(np.asarray(observations))
         if obs.is_floating_point() and obs.dtype != torch.float16:  # as RLlib's NumpyToTensor does
@@ -171,9 +197,11 @@ class LeanEnvRunner(SingleAgentEnvRunner):
         return done_episodes + chunks
 
 
-def _categorical_actions(logits: torch.Tensor, explore: bool) -> dict[str, torch.Tensor]:
+def _categorical_actions(logits: "torch.Tensor", explore: bool) -> dict[str, "torch.Tensor"]:
     """TorchCategorical's sample (or its deterministic argmax) and log-prob, without building a
     torch.distributions object per step (a third of the lean path's time on CartPole)."""
+    import torch
+
     if not explore:  # TorchDeterministic: argmax, and a log-prob of zeros
         actions = logits.argmax(dim=-1)
         return {Columns.ACTIONS: actions, Columns.ACTION_LOGP: torch.zeros_like(actions)}

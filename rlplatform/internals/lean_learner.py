@@ -27,7 +27,6 @@ import contextlib
 from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
-import torch
 from ray.rllib.algorithms.appo.torch.appo_torch_learner import APPOTorchLearner
 from ray.rllib.algorithms.impala.torch.impala_torch_learner import IMPALATorchLearner
 from ray.rllib.algorithms.ppo.ppo import (
@@ -44,9 +43,14 @@ from ray.rllib.evaluation.postprocessing import Postprocessing
 from ray.rllib.policy.sample_batch import MultiAgentBatch, SampleBatch
 from ray.rllib.utils.minibatch_utils import MiniBatchCyclicIterator
 from ray.rllib.utils.metrics import DIFF_NUM_GRAD_UPDATES_VS_SAMPLER_POLICY, WEIGHTS_SEQ_NO
+from ray.rllib.utils.framework import try_import_torch
 from ray.rllib.utils.torch_utils import explained_variance
 
 from rlplatform.internals import install_in_process
+
+# RLlib's stub where torch is not loaded: a torch-free env runner (internals/slim_env_runner.py) loads this
+# module when it unpickles its AlgorithmConfig, which names these learners; it never builds one.
+torch, _ = try_import_torch()
 
 
 def _fused_adam_supported(params: list[torch.Tensor]) -> bool:
@@ -54,7 +58,7 @@ def _fused_adam_supported(params: list[torch.Tensor]) -> bool:
     return len(devices) == 1 and devices <= {"cpu", "cuda"} and all(p.dtype == torch.float32 for p in params)
 
 
-class EagerAdam(torch.optim.Adam):
+class EagerAdam(torch.optim.Adam if torch is not None else object):
     """Adam for a learner that torch never compiles: the same steps, without importing torch's compiler.
 
     torch wraps `step`, `zero_grad`, `add_param_group`, `state_dict` and `load_state_dict` so that a

@@ -15,6 +15,7 @@ algorithm, a lean env runner or a lean learner is built.
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Optional
 
@@ -28,6 +29,8 @@ def install() -> None:
     rllib_set_torch_seed = torch_utils.set_torch_seed
 
     def set_torch_seed(seed: Optional[int] = None) -> None:
+        if "torch" not in sys.modules and "RLLIB_TEST_NO_TORCH_IMPORT" in os.environ:
+            return  # a torch-free env runner (internals/slim_env_runner.py): no torch to seed
         import torch
 
         if seed is None or torch.version.cuda is not None or "torch._inductor.config" in sys.modules:

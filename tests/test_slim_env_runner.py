@@ -1,0 +1,172 @@
+"""Torch-free remote env runners: the numpy policy computes what RLlib's torch module computes.
+
+Real RLlib modules and real remote runners built as training builds them; no mocks.
+"""
+
+import sys
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import ray
+import torch
+
+from conftest import ROOT
+from rlplatform.adapter.algorithm_config import build_algorithm_config
+from rlplatform.adapter.env_runners import remote_env_runners
+from rlplatform.config.experiment import resolve_experiment
+from rlplatform.config.sizing import Resources
+from rlplatform.infra.local_ray import connect as connect_ray, shutdown as shutdown_ray
+from rlplatform import internals
+
+CARTPOLE = ("cartpole_ppo",)
+PENDULUM = ("cartpole_ppo", "env=Pendulum-v1", "model.vf_share_layers=false", "model.head_hidden=[16]", "model.activation=relu")
+
+
+def experiment(name: str, *overrides: str):
+    return resolve_experiment(ROOT / "experiments" / f"{name}.yaml", list(overrides), "laptop").config
+
+
+def torch_module_and_policy(config):
+    from rlplatform.internals.slim_env_runner import numpy_policy_for
+
+    env = gym.make(config.env)
+    algo_config = build_algorithm_config(config)
+    module = algo_config.get_rl_module_spec(env=env, inference_only=True).build()
+    policy = numpy_policy_for(env.observation_space, env.action_space, algo_config.model_config, seed=0)
+    policy.set_state(module.get_state())
+    return env, module, policy
+
+
+def env_observations(env: gym.Env, count: int = 1000) -> np.ndarray:
+    obs, _ = env.reset(seed=0)
+    rows = []
+    while len(rows) < count:
+        rows.append(obs)
+        obs, _, terminated, truncated, _ = env.step(env.action_space.sample())
+        if terminated or truncated:
+            obs, _ = env.reset()
+    return np.stack(rows).astype(np.float32)
+
+
+@pytest.mark.parametrize("overrides", [CARTPOLE, PENDULUM], ids=["cartpole-discrete", "pendulum-box"])
+def test_numpy_policy_equals_the_torch_module(overrides):
+    from ray.rllib.core.columns import Columns
+    from ray.rllib.core.distribution.torch.torch_distribution import TorchCategorical, TorchDiagGaussian
+
+    config = experiment(*overrides)
+    assert internals.numpy_policy_applies(config)
+    env, module, policy = torch_module_and_policy(config)
+    obs = env_observations(env)
+    with torch.no_grad():
+        expected = module.forward_inference({Columns.OBS: torch.from_numpy(obs)})[Columns.ACTION_DIST_INPUTS]
+    got = policy.dist_inputs(obs)
+    assert got.dtype == np.float32 and got.shape == tuple(expected.shape)
+    np.testing.assert_allclose(got, expected.numpy(), atol=1e-5)
+
+    out = policy.compute_actions(obs, explore=True)
+    dist_cls = TorchCategorical if isinstance(env.action_space, gym.spaces.Discrete) else TorchDiagGaussian
+    dist = dist_cls.from_logits(expected)
+    with torch.no_grad():
+        torch_logp = dist.logp(torch.from_numpy(out[Columns.ACTIONS])).numpy()
+    np.testing.assert_allclose(out[Columns.ACTION_LOGP], torch_logp, atol=1e-5)
+    assert out[Columns.ACTION_LOGP].dtype == np.float32
+
+    greedy = policy.compute_actions(obs, explore=False)
+    torch_greedy = dist.to_deterministic().sample().numpy()
+    np.testing.assert_allclose(greedy[Columns.ACTIONS], torch_greedy, atol=1e-5)
+    assert greedy[Columns.ACTIONS].dtype == torch_greedy.dtype and not greedy[Columns.ACTION_LOGP].any()
+
+
+def test_sampled_actions_follow_the_distribution():
+    from rlplatform.internals.numpy_policy import log_softmax, sample_categorical
+
+    rng = np.random.default_rng(0)
+    logits = np.tile(np.array([[0.0, 1.0, -1.0, 2.0]], np.float32), (200_000, 1))
+    probs = np.exp(log_softmax(logits[:1]))[0]
+    counts = np.bincount(sample_categorical(np.exp(log_softmax(logits)), rng), minlength=4) / len(logits)
+    np.testing.assert_allclose(counts, probs, atol=0.005)
+
+    config = experiment(*PENDULUM)
+    env, _, policy = torch_module_and_policy(config)
+    obs = np.repeat(env_observations(env, 1), 100_000, axis=0)
+    mean, log_std = np.split(policy.dist_inputs(obs[:1]), 2, axis=-1)
+    actions = policy.compute_actions(obs, explore=True)["actions"]
+    np.testing.assert_allclose(actions.mean(0), mean[0], atol=0.02 * np.exp(log_std[0]).max() + 1e-3)
+    np.testing.assert_allclose(actions.std(0), np.exp(log_std[0]), rtol=0.02)
+
+
+def test_what_keeps_torch():
+    assert not internals.numpy_policy_applies(experiment("cartpole_ppo", "model.use_lstm=true"))
+    assert build_algorithm_config(experiment("cartpole_ppo", "speedups=false")).env_runner_cls is None
+    assert not internals.numpy_policy_applies(experiment("pixel_catch_ppo"))  # image observations: a CNN
+    assert not internals.numpy_policy_applies(experiment("cartpole_dqn"))
+    assert not internals.numpy_policy_applies(experiment("cartpole_ppo", "scale.env_runners=0"))
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    connect_ray(None, Resources(2, 0, [{"CPU": 2, "GPU": 0}]))
+    yield
+    shutdown_ray()
+
+
+import ray.cloudpickle as _cloudpickle  # noqa: E402
+
+_cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the functions below run in the runners
+
+
+def _remote_facts(runner):
+    return "torch" in sys.modules, type(runner.module).__name__
+
+
+def _greedy(runner, obs):
+    return runner._compute_actions(obs, False, 0)
+
+
+@pytest.mark.slow  # a private local Ray instance, two remote runners
+def test_remote_runners_sample_without_torch_and_take_synced_weights(local_ray):
+    from ray.rllib.core import COMPONENT_RL_MODULE
+    from ray.rllib.core.columns import Columns
+    from ray.rllib.utils.metrics import WEIGHTS_SEQ_NO
+
+    from rlplatform.internals.lean_env_runner import LeanEnvRunner
+
+    config = experiment("cartpole_ppo", "scale.env_runners=2", "scale.envs_per_runner=2")
+    runners = remote_env_runners(config, 2, num_cpus=0)
+    try:
+        assert ray.get([r.apply.remote(_remote_facts) for r in runners]) == [(False, "NumpyPolicy")] * 2
+        remote_eps = ray.get(runners[0].sample.remote(num_timesteps=100), timeout=120)
+        local_eps = LeanEnvRunner(config=build_algorithm_config(config), worker_index=1, num_workers=2).sample(num_timesteps=100)
+        for remote_ep, local_ep in zip(remote_eps, local_eps):
+            assert set(remote_ep.extra_model_outputs) == set(local_ep.extra_model_outputs)
+            for key in local_ep.extra_model_outputs:
+                a, b = np.asarray(remote_ep.get_extra_model_outputs(key)), np.asarray(local_ep.get_extra_model_outputs(key))
+                assert a.dtype == b.dtype and a.shape[1:] == b.shape[1:], key
+
+        env = gym.make(config.env)
+        module = build_algorithm_config(config).get_rl_module_spec(env=env, inference_only=True).build()
+        ref = ray.put(module.get_state())
+        ray.get([r.set_state.remote({COMPONENT_RL_MODULE: ref, WEIGHTS_SEQ_NO: 1}) for r in runners])
+        obs = env_observations(env, 500)
+        with torch.no_grad():
+            expected = module.forward_inference({Columns.OBS: torch.from_numpy(obs)})[Columns.ACTION_DIST_INPUTS].argmax(-1).numpy()
+        for greedy in ray.get([r.apply.remote(_greedy, obs) for r in runners]):
+            np.testing.assert_array_equal(greedy[Columns.ACTIONS], expected)
+        metrics = ray.get(runners[0].get_metrics.remote())
+        assert metrics[internals.WEIGHTS_APPLY_S] >= 0
+    finally:
+        for r in runners:
+            ray.kill(r)
+
+
+@pytest.mark.slow  # a private local Ray instance
+def test_an_ineligible_experiment_samples_remotely_with_torch(local_ray):
+    config = experiment("cartpole_ppo", "model.use_lstm=true", "scale.env_runners=1")
+    (runner,) = remote_env_runners(config, 1, num_cpus=0)
+    try:
+        assert ray.get(runner.apply.remote(_remote_facts))[0] is True
+        episodes = ray.get(runner.sample.remote(num_timesteps=50), timeout=180)
+        assert sum(e.env_steps() for e in episodes) >= 50
+    finally:
+        ray.kill(runner)
