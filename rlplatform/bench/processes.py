@@ -13,6 +13,7 @@ from rlplatform.infra.loopback import LoopbackCluster
 ROLES = {  # Ray's process title of an actor is "ray::<ClassName>[.method]"
     "AlgorithmHost": "algorithm + local learner",
     "LeanEnvRunner": "env runner",
+    "SlimEnvRunner": "env runner",
     "SingleAgentEnvRunner": "env runner",
     "MultiAgentEnvRunner": "env runner",
     "Learner": "learner",
