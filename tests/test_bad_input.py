@@ -66,6 +66,10 @@ CASES = {
     "unknown algorithm": (["--set", "algorithm=PPPO"], ["unknown algorithm 'PPPO'", "PPO"]),
     "unknown env id": (["--set", "env=CartPol-v1"], ["unknown env id 'CartPol-v1'", "CartPole-v1"]),
     "unknown hyper-parameter": (["--set", "training.lrr=0.1"], ["training.lrr", "'lr'"]),
+    "hyper-parameter of the wrong type": (["--set", "training.num_epochs=ten"], ["training.num_epochs = 'ten'", "an integer"]),
+    "float for an integer hyper-parameter": (["--set", "training.minibatch_size=64.5"], ["training.minibatch_size", "an integer"]),
+    "integer for a bool hyper-parameter": (["--set", "training.use_gae=1"], ["training.use_gae = 1", "true or false"]),
+    "text for a float hyper-parameter (alias)": (["--set", "training.lambda=high"], ["training.lambda = 'high'", "a number"]),
     "unknown rllib pass-through": (["--set", "rllib.env_runner={num_env_runners: 1}"], ["rllib.env_runner", "env_runners"]),
     "more GPUs than exist": (["--set", "hardware.gpus_per_learner=1"] if GPUS == 0 else  # the learner in the main process
                              ["--set", f"scale.learners={GPUS + 1}", "--set", "hardware.gpus_per_learner=1"],
