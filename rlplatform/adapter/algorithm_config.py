@@ -63,8 +63,8 @@ _TYPE_NAMES = {bool: "true or false", int: "an integer", float: "a number", str:
 
 @functools.lru_cache(maxsize=None)
 def _training_defaults(algorithm: str) -> dict[str, tuple[Optional[type], bool]]:
-    """RLlib training key -> (the type its default value has on the algorithm's config class, whether the setter's
-    annotation also takes a list, e.g. `lr` as a schedule). Only int, float, bool and str defaults are typed;
+    """RLlib training key -> (the type its default value has on the algorithm's config class, whether it also takes
+    a list: a schedule, e.g. `lr`, `entropy_coeff`). Only int, float, bool and str defaults are typed;
     lists, mappings, None and keys without a declared type (deprecated ones) are left to RLlib."""
     cls = config_class(algorithm)
     defaults = cls()
@@ -82,7 +82,9 @@ def _training_defaults(algorithm: str) -> dict[str, tuple[Optional[type], bool]]
             continue
         text = str(annotation)
         kind = float if type(default) is int and "float" in text and "List" not in text else type(default)
-        typed[name] = (kind, "List" in text)
+        # a schedule ([[step, value], ...]) where the annotation says so or RLlib has a `<key>_schedule` sibling
+        # (PPO's entropy_coeff is annotated float, yet its learner takes a schedule)
+        typed[name] = (kind, "List" in text or f"{name}_schedule" in annotations)
     return typed
 
 
