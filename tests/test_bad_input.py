@@ -66,6 +66,10 @@ CASES = {
     "unknown algorithm": (["--set", "algorithm=PPPO"], ["unknown algorithm 'PPPO'", "PPO"]),
     "unknown env id": (["--set", "env=CartPol-v1"], ["unknown env id 'CartPol-v1'", "CartPole-v1"]),
     "unknown hyper-parameter": (["--set", "training.lrr=0.1"], ["training.lrr", "'lr'"]),
+    "hyper-parameter of the wrong type": (["--set", "training.num_epochs=ten"], ["training.num_epochs = 'ten'", "an integer"]),
+    "float for an integer hyper-parameter": (["--set", "training.minibatch_size=64.5"], ["training.minibatch_size", "an integer"]),
+    "integer for a bool hyper-parameter": (["--set", "training.use_gae=1"], ["training.use_gae = 1", "true or false"]),
+    "text for a float hyper-parameter (alias)": (["--set", "training.lambda=high"], ["training.lambda = 'high'", "a number"]),
     "unknown rllib pass-through": (["--set", "rllib.env_runner={num_env_runners: 1}"], ["rllib.env_runner", "env_runners"]),
     "more GPUs than exist": (["--set", "hardware.gpus_per_learner=1"] if GPUS == 0 else  # the learner in the main process
                              ["--set", f"scale.learners={GPUS + 1}", "--set", "hardware.gpus_per_learner=1"],
@@ -135,3 +139,21 @@ def test_evaluate_corrupt_checkpoint(runs, existing_run):
 def test_unknown_verb_and_flag():
     assert_user_error(run_cli("trian"), "invalid choice")
     assert_user_error(run_cli("train", "--nope"), "--nope")
+
+
+def test_training_types_come_from_rllibs_defaults():
+    """The type check reads RLlib's config class: what it takes stays accepted (schedules, ints for floats, None)."""
+    from rlplatform.adapter.algorithm_config import training_type_problem
+
+    schedule = [[0, 0.01], [1000, 0.0]]
+    accepted = [("PPO", "entropy_coeff", schedule), ("PPO", "lr", schedule), ("APPO", "entropy_coeff", schedule),
+                ("PPO", "lr", 1), ("PPO", "grad_clip", None), ("PPO", "num_epochs", 3), ("PPO", "use_gae", False),
+                ("IMPALA", "learner_queue_timeout", 12.5),  # an int default, annotated float
+                ("DQN", "epsilon", [[0, 1.0], [1000, 0.05]]), ("PPO", "grad_clip_by", "value")]
+    for algorithm, key, value in accepted:
+        assert training_type_problem(algorithm, key, value) is None, (algorithm, key, value)
+    refused = [("PPO", "num_epochs", "ten"), ("PPO", "num_epochs", 2.0), ("PPO", "num_epochs", True),
+               ("PPO", "clip_param", schedule), ("PPO", "use_gae", "yes"), ("SAC", "tau", "0.005"),
+               ("PPO", "grad_clip_by", 1)]
+    for algorithm, key, value in refused:
+        assert training_type_problem(algorithm, key, value), (algorithm, key, value)

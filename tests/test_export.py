@@ -32,13 +32,16 @@ CASES = {
                    "--set", "model={conv_filters: [[8, [4, 4], 2], [16, [4, 4], 2]], hidden: [32]}"],
     "sac": ["--set", "algorithm=SAC", "--set", "env=HalfCheetah-v5", "--set", "model.hidden=[32]",  # float64 observations
             "--set", "training={num_steps_sampled_before_learning_starts: 100}"],
+    # bounds of +-2: the squashed mean mapped to a Box that is not [-1, 1]
+    "sac-pendulum": ["--set", "algorithm=SAC", "--set", "env=Pendulum-v1", "--set", "model.hidden=[32]",
+                     "--set", "training={num_steps_sampled_before_learning_starts: 100}"],
     "dqn": ["--set", "algorithm=DQN", "--set", "model.hidden=[32]",
             "--set", "training={num_steps_sampled_before_learning_starts: 100}",
             "--set", "rllib.reporting.min_sample_timesteps_per_iteration=100"],
     "multi-agent": [ROOT / "experiments" / "pursuit_ppo.yaml", "--set", "model.hidden=[16]",
                     "--set", "multi_agent.policies.evader.model.hidden=[8]", *SMALL_PPO],
 }
-CONTINUOUS = {"appo-gaussian", "sac"}
+CONTINUOUS = {"appo-gaussian", "sac", "sac-pendulum"}
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +105,13 @@ def test_round_trip(case, trained, tmp_path):
             obs = _observations(module.observation_space)
             actions, _ = policy.act(obs, policy.initial_state(len(obs)))
             _assert_same_actions(actions, reference_actions(module, config, obs), case in CONTINUOUS)
+            if case in CONTINUOUS:  # mapped to the env's Box, never outside it
+                low, high = module.action_space.low, module.action_space.high
+                assert np.all(actions >= low) and np.all(actions <= high), (actions.min(), actions.max())
+            if case == "sac-pendulum":
+                space = described["action_space"]
+                assert (space["low"], space["high"], list(module.action_space.high)) == (-2.0, 2.0, [2.0]), space
+                assert np.abs(actions).max() > 1.5  # the actions use the Box beyond [-1, 1]: the mapping is exercised
         if fmt == "torchscript" and case != "ppo-lstm":
             continue
         if config.multi_agent:

@@ -2,7 +2,8 @@
 each with its own temp dir and process session, token auth on, stopped by process id.
 
 - env runners spread over two nodes (manifest placement),
-- a job submitted through the Jobs API (`rlplatform cluster submit`) trains and its run dir is found,
+- a job submitted through the Jobs API (`rlplatform cluster submit`) trains and its run dir is found; a sweep
+  (`cluster submit --tune`) runs its trials and its directory and results table land on the head's runs dir,
 - a worker node lost mid-run: training goes on with the remaining runner; a node joins, RLlib restarts the runner,
 - two CPU learners (Gloo all-reduce) hold identical weights after an update.
 """
@@ -88,6 +89,37 @@ def test_job_submission_through_jobs_api(cluster, tmp_path: Path) -> None:
     assert "TensorBoard:" in output
     assert len(read_metrics(run_dir)) == 2
     assert list(run_dir.glob("events.out.tfevents.*"))
+
+
+@pytest.mark.slow
+@pytest.mark.cluster
+def test_sweep_submission_through_jobs_api(cluster, tmp_path: Path) -> None:
+    """`cluster submit --tune`: a real two-trial sweep runs as a Ray job; its directory and results land on the
+    head's runs dir."""
+    head = cluster[0]
+    runs = tmp_path / "sweep-runs"
+    result = run_cli(
+        "cluster", "submit", "--tune", "--address", head.dashboard_url, "experiments/cartpole_ppo_tune.yaml",
+        "--python", sys.executable, "--ray-address", head.address, "--runs-dir", str(runs),
+        "--set", "search.space={training.lr: {choice: [0.001, 0.01]}}", "--set", "search.searcher=grid",
+        "--set", "search.samples=1", "--set", "search.scheduler=fifo",
+        "--set", "scale.env_runners=0", "--set", "stop.iterations=2", "--set", "stop.env_steps=null",
+        "--set", "stop.return_mean=null", "--set", "checkpoint.keep_best=false", *TINY,
+        env=head.env, timeout=400,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-3000:]
+    (sweep,) = [p for p in runs.glob("*/*") if (p / "search.yaml").is_file()]
+    assert f"sweep directory (on the head node): {sweep}" in output
+    rows = json.loads((sweep / "results.json").read_text())
+    assert sorted(r["params"]["training.lr"] for r in rows) == [0.001, 0.01]
+    assert all(r["stopped"] == "iterations 2 >= 2" for r in rows), rows
+    csv_lines = (sweep / "results.csv").read_text().splitlines()
+    assert len(csv_lines) == 3 and csv_lines[0].startswith("trial,training.lr,return/mean")
+    for r in rows:  # every trial a run directory under the sweep, as `train` writes one
+        run_dir = Path(r["run_dir"])
+        assert run_dir.parent == sweep and (run_dir / "manifest.json").is_file()
+        assert len(read_metrics(run_dir)) == 2
 
 
 @pytest.mark.slow

@@ -16,17 +16,16 @@ from pathlib import Path
 
 import pytest
 
-from conftest import free_port, only_run_dir, read_metrics, run_cli
+from conftest import ROOT, free_port, only_run_dir, read_metrics, run_cli
 
 TWO_ITERATIONS = ["--set", "stop.iterations=2", "--set", "stop.env_steps=null", "--set", "stop.return_mean=null",
                   "--set", "scale.env_runners=0", "--set", "model.hidden=[16]", "--set", "checkpoint.every=1",
                   "--set", "training.train_batch_size_per_learner=128", "--set", "training.minibatch_size=64"]
 
 
-@pytest.fixture(scope="module")
-def mlflow_server(tmp_path_factory):
-    """`mlflow server` on a free loopback port with a SQLite store; its process group is stopped by its id."""
-    root = tmp_path_factory.mktemp("mlflow")
+def start_mlflow_server(root: Path) -> tuple[subprocess.Popen, str]:
+    """`mlflow server` on a free loopback port with a SQLite store, in its own process group; (process, URI)
+    once it answers /health."""
     port = free_port()
     log = (root / "server.log").open("w")
     server = subprocess.Popen(
@@ -35,6 +34,7 @@ def mlflow_server(tmp_path_factory):
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},  # no job-runner processes for a test
     )
+    log.close()  # the child holds its own copy
     uri = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
@@ -43,20 +43,34 @@ def mlflow_server(tmp_path_factory):
             try:
                 with urllib.request.urlopen(f"{uri}/health", timeout=2) as answer:
                     if answer.status == 200:
-                        break
+                        return server, uri
             except OSError:
                 pass
             assert time.monotonic() < deadline, "mlflow server did not answer within 120 s"
             time.sleep(0.5)
+    except BaseException:
+        stop_mlflow_server(server)
+        raise
+
+
+def stop_mlflow_server(server: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
+    """Its process group (its own: start_new_session) by its id; SIGKILL if it does not go."""
+    if server.poll() is None:
+        os.killpg(server.pid, sig)
+    try:
+        server.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
+
+
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory):
+    server, uri = start_mlflow_server(tmp_path_factory.mktemp("mlflow"))
+    try:
         yield uri
     finally:
-        os.killpg(server.pid, signal.SIGTERM)  # the group is the server's own (start_new_session)
-        try:
-            server.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
-        log.close()
+        stop_mlflow_server(server)
 
 
 def wandb_records(run_file: Path):
@@ -170,8 +184,47 @@ class _Refusing(http.server.BaseHTTPRequestHandler):
         pass
 
 
-def test_a_server_that_refuses_mid_run_drops_the_tracker_with_one_warning(tmp_path, capsys):
-    """In the driver's logger itself, no Ray: a server that answers 403 to everything."""
+@pytest.mark.slow
+def test_a_server_killed_mid_run_drops_the_tracker_with_one_warning_and_the_run_finishes(runs, tmp_path):
+    """A real `mlflow server`, SIGKILLed once the run's first iteration has reached it: the next send fails,
+    MLflow is dropped with one warning line, and the run trains on to its end (exit 0) with TensorBoard."""
+    from mlflow.tracking import MlflowClient
+
+    server, uri = start_mlflow_server(tmp_path)
+    try:
+        train = subprocess.Popen(
+            [sys.executable, "-m", "rlplatform", "train", "--runs-dir", str(runs), "--set", "name=killed",
+             *TWO_ITERATIONS, "--set", "stop.iterations=4", "--set", "checkpoint.every=0",
+             "--set", "rllib.reporting.min_time_s_per_iteration=2",  # time to see iteration 1 and kill before 2
+             "--set", f"tracking.mlflow.uri={uri}", "--set", "tracking.mlflow.experiment=killed"],
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        client, logged = MlflowClient(tracking_uri=uri), []
+        deadline = time.monotonic() + 240
+        while not logged and train.poll() is None and time.monotonic() < deadline:
+            experiment = client.get_experiment_by_name("killed")
+            runs_there = client.search_runs([experiment.experiment_id]) if experiment else []
+            if runs_there:
+                logged = client.get_metric_history(runs_there[0].info.run_id, "progress/iteration")
+            if not logged:
+                time.sleep(0.1)
+        assert [m.value for m in logged] == [1], logged  # only the first iteration had reached the server
+        stop_mlflow_server(server, signal.SIGKILL)
+        out, err = train.communicate(timeout=300)
+    finally:
+        stop_mlflow_server(server, signal.SIGKILL)
+    assert train.returncode == 0, out[-3000:] + err[-3000:]
+    warnings = [line for line in err.splitlines() if "warning" in line.lower() and "mlflow" in line.lower()]
+    assert len(warnings) == 1, err
+    assert warnings[0].startswith("warning: MLflow tracking stopped (sending metrics failed): "), warnings[0]
+    assert warnings[0].endswith("TensorBoard goes on")
+    assert "Traceback" not in out + err
+    run_dir = only_run_dir(runs, "killed")
+    assert [row["iteration"] for row in read_metrics(run_dir)] == [1, 2, 3, 4]
+    assert list(run_dir.glob("events.out.tfevents.*"))
+
+
+def test_a_server_that_refuses_at_start_up_drops_the_tracker_with_one_warning(tmp_path, capsys):
+    """In the driver's logger itself, no Ray: a server that answers 403 to everything, the run's creation first."""
     from rlplatform.config.schema import validate
     from rlplatform.run.tracking import Tracking
 

@@ -60,6 +60,13 @@ BAD_SEARCH = [
     ({"space": {"training.lr": {"choice": [0.1]}}, "metric": "return/maen"}, "search.metric", "not one of our metric tags"),
     ({"space": {"model.hidden": {"choice": [[16], "wide"]}}}, "search.space.model.hidden", "'wide'"),
     ({"space": {"training.lr": {"choice": [0.1]}}, "scheduler": "hyperband"}, "search.scheduler", "'hyperband'"),
+    ({"space": {"training.num_epochs": {"choice": [5, "ten"]}}}, "search.space.training.num_epochs = 'ten'", "an integer"),
+    ({"space": {"training.num_epochs": {"uniform": [2, 8]}}}, "search.space.training.num_epochs = 2.0", "use randint"),
+    ({"space": {"training.lr": {"choice": [0.001, True]}}}, "search.space.training.lr = True", "a number"),
+    ({"space": {"training.use_gae": {"choice": [True, 0]}}}, "search.space.training.use_gae = 0", "true or false"),
+    ({"space": {"training.lr": {"choice": [0.1]}}, "scheduler": "pbt",
+      "pbt": {"mutations": {"training.minibatch_size": {"loguniform": [32, 128]}}}},
+     "training.minibatch_size = 32.0", "an integer"),
 ]
 
 
@@ -241,3 +248,41 @@ def test_interrupted_sweep_resumes_with_finished_trials_kept(tmp_path, capsys, s
     resumed = history(sweep / "trial_00001")
     assert len(resumed) == 2 and resumed[1]["from_checkpoint"] == str(checkpoint)
     assert [m["iteration"] for m in metrics(sweep / "trial_00001")] == list(range(1, iterations + 1))
+
+
+@pytest.mark.slow
+def test_a_sweep_whose_trials_all_fail_exits_1_naming_their_error_files(tmp_path, capsys, shared_ray):
+    # CostlySim refuses a negative wait in its constructor: every trial fails building its env, inside Ray
+    search = {"space": {"training.lr": {"choice": [1.0e-3, 1.0e-2]}}, "searcher": "grid", "samples": 1}
+    runs = tmp_path / "runs"
+    path = experiment(tmp_path, "failing", search, env="rlplatform/CostlySim-v0", env_config={"wait_ms": -1},
+                      stop={"iterations": 1})
+    code = main(["tune", str(path), "--runs-dir", str(runs)])
+    out, err = capsys.readouterr()
+    sweep = sweep_dir(runs, "failing")
+    rows = results(sweep)
+    assert code == 1, out + err
+    assert len(rows) == 2 and all(r["stopped"].startswith("error: ") for r in rows), rows
+    assert all("wait_ms must be >= 0" in r["stopped"] for r in rows), rows
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, err
+    assert "no trial of the sweep finished: 2 of 2 trial(s) failed" in errors[0], errors[0]
+    for r in rows:
+        assert Path(r["error_file"]).is_file() and r["error_file"] in errors[0], (r, errors[0])
+        assert "wait_ms must be >= 0" in Path(r["error_file"]).read_text()
+
+
+@pytest.mark.slow
+def test_a_sweep_with_one_failed_trial_exits_0_and_says_it_failed(tmp_path, capsys, shared_ray):
+    search = {"space": {"env_config.wait_ms": {"choice": [0, -1]}}, "searcher": "grid", "samples": 1}
+    runs = tmp_path / "runs"
+    path = experiment(tmp_path, "half", search, env="rlplatform/CostlySim-v0", stop={"iterations": 1})
+    code = main(["tune", str(path), "--runs-dir", str(runs)])
+    out, err = capsys.readouterr()
+    rows = results(sweep_dir(runs, "half"))
+    assert code == 0, out + err
+    (failed,) = [r for r in rows if r["stopped"].startswith("error: ")]
+    (finished,) = [r for r in rows if r["stopped"] == "iterations 1 >= 1"]
+    assert failed["params"] == {"env_config.wait_ms": -1} and finished["params"] == {"env_config.wait_ms": 0}
+    assert f"1 of 2 trial(s) failed; their errors: {failed['error_file']}" in " ".join(out.split())
+    assert not [line for line in err.splitlines() if line.startswith("error: ")], err

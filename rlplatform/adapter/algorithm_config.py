@@ -58,6 +58,63 @@ def training_parameters(algorithm: str) -> set[str]:
     return _method_parameters(config_class(algorithm), "training")
 
 
+_TYPE_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+
+
+@functools.lru_cache(maxsize=None)
+def _training_defaults(algorithm: str) -> dict[str, tuple[Optional[type], bool]]:
+    """RLlib training key -> (the type its default value has on the algorithm's config class, whether it also takes
+    a list: a schedule, e.g. `lr`, `entropy_coeff`). Only int, float, bool and str defaults are typed;
+    lists, mappings, None and keys without a declared type (deprecated ones) are left to RLlib."""
+    cls = config_class(algorithm)
+    defaults = cls()
+    annotations: dict[str, Any] = {}
+    for klass in cls.__mro__:
+        fn = klass.__dict__.get("training")
+        if fn is not None:
+            for p in inspect.signature(fn).parameters.values():
+                if p.kind is p.KEYWORD_ONLY:
+                    annotations.setdefault(p.name, p.annotation)
+    typed = {}
+    for name, annotation in annotations.items():
+        default = getattr(defaults, name, None)
+        if annotation is inspect.Parameter.empty or type(default) not in _TYPE_NAMES:
+            continue
+        text = str(annotation)
+        kind = float if type(default) is int and "float" in text and "List" not in text else type(default)
+        # a schedule ([[step, value], ...]) where the annotation says so or RLlib has a `<key>_schedule` sibling
+        # (PPO's entropy_coeff is annotated float, yet its learner takes a schedule)
+        typed[name] = (kind, "List" in text or f"{name}_schedule" in annotations)
+    return typed
+
+
+def training_type_problem(algorithm: str, key: str, value: Any) -> Optional[str]:
+    """What is wrong with `value`'s type for RLlib training key `key`, or None. int where RLlib's default is an int,
+    a number (int or float) where it is a float, true/false where it is a bool; None is RLlib's own to judge."""
+    kind, takes_list = _training_defaults(algorithm).get(key, (None, False))
+    if kind is None or value is None or (takes_list and isinstance(value, list)):
+        return None
+    if kind is bool:
+        ok = isinstance(value, bool)
+    elif kind is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif kind is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    else:
+        ok = isinstance(value, kind)
+    if ok:
+        return None
+    default = getattr(config_class(algorithm)(), key)
+    also = " (or a schedule: a list of [step, value] pairs)" if takes_list else ""
+    return (f"{algorithm} takes {_TYPE_NAMES[kind]}{also} here, not {type(value).__name__} "
+            f"(RLlib's default: {default!r})")
+
+
+def _short_repr(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def _training_kwargs(config: ExperimentConfig) -> dict[str, Any]:
     return {_TRAINING_ALIASES.get(k, k): v for k, v in config.training.items()}
 
@@ -69,9 +126,13 @@ def check(config: ExperimentConfig) -> str:
     """
     cls = config_class(config.algorithm)
     known = training_parameters(config.algorithm)
-    for key in _training_kwargs(config):
+    for key, value in _training_kwargs(config).items():
         if key not in known:
             raise UserError(f"training.{key}: not a {config.algorithm} hyper-parameter{did_you_mean(key, known)}")
+        problem = training_type_problem(config.algorithm, key, value)
+        if problem:
+            name = next((k for k, v in _TRAINING_ALIASES.items() if v == key), key)
+            raise UserError(f"training.{name} = {_short_repr(value)}: {problem}")
     for method, kwargs in config.rllib.items():
         if method.startswith("_") or not callable(getattr(cls, method, None)):
             setters = [m for m in dir(cls) if not m.startswith("_")]

@@ -16,7 +16,7 @@ from rlplatform.config.experiment import ResolvedExperiment, resolve_experiment
 from rlplatform.config.files import read_yaml, to_yaml
 from rlplatform.config.schema import validate
 from rlplatform.config.sizing import local_resources
-from rlplatform.errors import UserError
+from rlplatform.errors import TrainingFailed, UserError
 from rlplatform.infra import local_ray
 from rlplatform.run import progress, run_dir as rundir
 
@@ -78,11 +78,25 @@ def _fit(sp, sweep_dir: Path, resumed: bool) -> int:
     sweep.write_results(rows, sweep_dir, sp.search.metric)
     sweep.print_results(rows, sweep_dir, sp.search.metric)
     unfinished = [r for r in rows if r["stopped"].startswith("interrupted")]
+    failed = [r for r in rows if r["error_file"] or r["stopped"].startswith("error")]
+    finished = len(rows) - len(unfinished) - len(failed)
     progress.say(f"sweep of {len(rows)} trial(s) took {time.time() - started:.0f} s")
     if unfinished:
         progress.say(f"interrupted with {len(unfinished)} trial(s) unfinished; continue with: "
                      f"python -m rlplatform tune --resume {sweep_dir}")
+    if failed and not finished:  # nothing to compare: the sweep failed (exit 1), the errors stay in the trials
+        raise TrainingFailed(f"no trial of the sweep finished: {len(failed)} of {len(rows)} trial(s) failed; "
+                             f"their errors: {_error_files(failed, sweep_dir)}")
+    if failed:
+        progress.say(f"{len(failed)} of {len(rows)} trial(s) failed; their errors: {_error_files(failed, sweep_dir)}")
     return 0
+
+
+def _error_files(failed: list[dict], sweep_dir: Path) -> str:
+    files = [r["error_file"] or str(Path(r["run_dir"]) / "error.txt") for r in failed]
+    if len(files) > 3:  # one line: the common pattern, not every path
+        return f"{sweep_dir}/trial_*/error.txt"
+    return ", ".join(files)
 
 
 def _say_plan(sp, sweep_dir: Path) -> None:

@@ -73,7 +73,14 @@ def plan_sweep(resolved: ResolvedExperiment, resources: Resources, samples: Opti
             except UserError as exc:
                 message = str(exc)
                 prefix = f"{source}: search.space.{key}"
-                raise UserError(message if message.startswith(prefix) else f"{prefix} = {value!r}: {message}") from None
+                if message.startswith(prefix):
+                    raise
+                if message.startswith(f"{key} = "):  # the type check names the key and value itself
+                    message = message.split(": ", 1)[1]
+                (name, _), = dist.items()
+                if name != "choice" and isinstance(value, float) and "an integer" in message:
+                    message += f"; {name} draws floats, use randint for an integer"
+                raise UserError(f"{prefix} = {value!r}: {message}") from None
     if search.searcher == "optuna" and importlib.util.find_spec("optuna") is None:
         raise UserError(f'{source}: search.searcher optuna needs Optuna: pip install -e ".[tune]"')
     fit = trials_that_fit(plan.bundles, resources)
@@ -93,7 +100,8 @@ def _representatives(dist: dict[str, Any]) -> list[Any]:
     (name, args), = dist.items()
     if name == "choice":
         return list(args)
-    return [args[0], args[1] - 1] if name == "randint" else list(args)
+    # uniform and loguniform draw floats whatever their bounds are written as
+    return [args[0], args[1] - 1] if name == "randint" else [float(a) for a in args]
 
 
 def trials_that_fit(bundles: list[dict[str, float]], resources: Resources) -> int:
@@ -299,7 +307,8 @@ def results_table(sweep_dir: Path, search: SearchSection, yaml_keys: frozenset[s
                      "params": decode_params(dict(trial.config or {}), yaml_keys),
                      search.metric: metrics.get(search.metric), "iterations": metrics.get("training_iteration"),
                      "env_steps": metrics.get("env_steps"), "wall_time_s": metrics.get("wall_time_s"),
-                     "stopped": stop_reason(trial, search.scheduler)})
+                     "stopped": stop_reason(trial, search.scheduler),
+                     "error_file": trial.error_file if trial.status == "ERROR" else None})
     sign = 1 if search.mode == "max" else -1
     return sorted(rows, key=lambda r: (r[search.metric] is None or math.isnan(r[search.metric]),
                                        -sign * (r[search.metric] or 0.0), r["trial"]))
