@@ -58,7 +58,9 @@ def test_throughput_measures_raw_limit_and_each_layout_and_auto_uses_the_best(tm
     fixed = run_cli("train", tmp_path / "open_layout.yaml", "--print-config", "--set", "scale.envs_per_runner=3", env=cache)
     assert yaml.safe_load(fixed.stdout)["scale"]["envs_per_runner"] == 3
     fresh = run_cli("train", tmp_path / "open_layout.yaml", "--print-config", env={"RLPLATFORM_CACHE_DIR": str(tmp_path / "empty")})
-    assert yaml.safe_load(fresh.stdout)["scale"]["envs_per_runner"] == 1  # the schema's default
+    # No cached layout: the env's step cost measured at start-up (CartPole: the cap of 64, bounded by the
+    # batch of 1000 in 25-step fragments to 32; rlplatform/config/step_cost.py)
+    assert yaml.safe_load(fresh.stdout)["scale"]["envs_per_runner"] == 32
 
 
 @pytest.mark.slow
