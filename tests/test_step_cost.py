@@ -47,24 +47,24 @@ def test_a_cheap_step_is_measured_cheap_and_a_waiting_one_in_wall_time_all_well_
 
 def test_the_rule_gives_a_power_of_two_within_the_batch_bound():
     assert [step_cost.envs_for_step_cost(s * 1e-6) for s in (5, 13, 20, 50, 100, 400, 790, 801, 5000)] == [64, 32, 32, 16, 8, 2, 2, 1, 1]
-    assert step_cost.envs_for_step_cost(5e-6, batch_bound=20) == 16
+    assert step_cost.envs_for_step_cost(5e-6, batch_bound=10) == 8
     assert step_cost.envs_for_step_cost(5e-6, batch_bound=0) == 1
 
 
-def test_appo_cartpole_without_scale_gets_16_envs_from_the_measurement(tmp_path):
+def test_appo_cartpole_without_scale_gets_8_envs_from_the_measurement(tmp_path):
     plan = plan_for(experiment(tmp_path))
-    # one runner beside the learner on 2 cores; APPO's batch of 500 / 25-step fragments bounds the 64 to 16
-    assert (plan.config.scale.env_runners, plan.config.scale.envs_per_runner) == (1, 16)
+    # one runner beside the learner on 2 cores; APPO's batch of 500 / 50-step fragments bounds the 64 to 8
+    assert (plan.config.scale.env_runners, plan.config.scale.envs_per_runner) == (1, 8)
     assert plan.envs_choice["source"] == "step-cost measurement at start-up"
-    assert plan.envs_choice["envs_per_runner"] == 16 and 0 < plan.envs_choice["step_cost_us"] < 100
-    assert plan.envs_note.startswith("envs per runner: 16 (step-cost measurement at start-up: ")
+    assert plan.envs_choice["envs_per_runner"] == 8 and 0 < plan.envs_choice["step_cost_us"] < 100
+    assert plan.envs_note.startswith("envs per runner: 8 (step-cost measurement at start-up: ")
 
 
 def test_ppo_batch_bounds_the_envs(tmp_path):
     big = plan_for(experiment(tmp_path, algorithm="PPO"))  # RLlib's default batch of 4000: the cap
     assert (big.config.scale.env_runners, big.config.scale.envs_per_runner) == (0, 64)
     small = plan_for(experiment(tmp_path, algorithm="PPO", training={"train_batch_size_per_learner": 1000}))
-    assert small.config.scale.envs_per_runner == 32  # 1000 / 25 = 40 -> 32
+    assert small.config.scale.envs_per_runner == 16  # 1000 / 50 = 20 -> 16
     # PPO's own fragment fixes the envs (RLlib wants runners x envs x fragment = batch): not sized
     fragment = plan_for(experiment(tmp_path, algorithm="PPO", training={"train_batch_size_per_learner": 1000},
                                    scale={"rollout_fragment_length": 250}))
@@ -123,12 +123,12 @@ def test_train_records_the_measured_choice_and_keeps_an_explicit_one(tmp_path):
     runs = tmp_path / "runs"
     measured = run_cli("train", path, "--profile", "auto", "--runs-dir", runs, "--set", "name=measured", env=env, timeout=300)
     assert measured.returncode == 0, measured.stdout + measured.stderr
-    assert "envs per runner: 16 (step-cost measurement at start-up: " in measured.stdout
+    assert "envs per runner: 8 (step-cost measurement at start-up: " in measured.stdout
     run_dir = only_run_dir(runs, "measured")
     choice = json.loads((run_dir / "manifest.json").read_text())["envs_per_runner"]
-    assert choice["envs_per_runner"] == 16 and choice["source"] == "step-cost measurement at start-up"
+    assert choice["envs_per_runner"] == 8 and choice["source"] == "step-cost measurement at start-up"
     assert 0 < choice["step_cost_us"] < 100
-    assert yaml.safe_load((run_dir / "config.yaml").read_text())["scale"]["envs_per_runner"] == 16
+    assert yaml.safe_load((run_dir / "config.yaml").read_text())["scale"]["envs_per_runner"] == 8
 
     kept = run_cli("train", path, "--profile", "auto", "--runs-dir", runs, "--set", "name=kept",
                    "--set", "scale.envs_per_runner=3", env=env, timeout=300)
