@@ -20,8 +20,8 @@ runner's time when that is reachable: an env of >= 0.8 ms per step gets 1 env (C
 The batch bound keeps every env's share of a train batch at least `MIN_FRAGMENT` steps (RLlib's
 APPO/IMPALA default fragment, or the experiment's own `rollout_fragment_length`): APPO's default
 batch of 500 on one runner gives 8 envs (fragments of 62 steps), PPO's default of 4000 the cap of
-64. On 2 cores APPO CartPole solved in 27.5 and 41.1 s with 8 envs (208-327k env steps), in 70.7
-and 102.8 s with 16 (31-step fragments, 0.8-1.1M env steps) at about the same env steps/s. A PPO
+64. On 2 cores APPO CartPole solved in 27.5-47.8 s with 8 envs (4 runs, 208-416k env steps), in
+70.7 and 102.8 s with 16 (31-step fragments, 0.8-1.1M env steps) at ~20 % more env steps/s. A PPO
 experiment that gives its own `rollout_fragment_length` is not sized (RLlib wants runners x envs x
 fragment to make PPO's batch: the fragment fixes the envs). Only the on-policy algorithms (PPO,
 APPO, IMPALA) are sized: for DQN and SAC the envs per runner set how much data each update sees,
