@@ -59,7 +59,9 @@ def test_throughput_measures_raw_limit_and_each_layout_and_auto_uses_the_best(tm
     fixed = run_cli("train", tmp_path / "open_layout.yaml", "--print-config", "--set", "scale.envs_per_runner=3", env=cache)
     assert yaml.safe_load(fixed.stdout)["scale"]["envs_per_runner"] == 3
     fresh = run_cli("train", tmp_path / "open_layout.yaml", "--print-config", env={"RLPLATFORM_CACHE_DIR": str(tmp_path / "empty")})
-    assert yaml.safe_load(fresh.stdout)["scale"]["envs_per_runner"] == 1  # the schema's default
+    # No cached layout: the env's step cost measured at start-up (CartPole: the cap of 64, bounded by the
+    # batch of 1000 in 50-step fragments to 16; rlplatform/config/step_cost.py)
+    assert yaml.safe_load(fresh.stdout)["scale"]["envs_per_runner"] == 16
 
 
 @pytest.mark.slow
@@ -76,6 +78,7 @@ def test_solve_reports_each_seed_and_the_median_with_startup_apart(tmp_path):
         assert 0 < startup["ray_ready_s"] <= startup["algorithm_ready_s"] <= startup["first_sample_s"] <= seed["time_to_solve_s"]
         assert 0 < seed["env_steps_to_solve"] <= 100_000
         assert seed["layout"].endswith("x8xsync") and seed["layout_from_bench"] is None  # the file's 8 envs, sync
+        assert seed["envs_per_runner"] == {"envs_per_runner": 8, "source": "experiment", "step_cost_us": None}
         assert read_metrics(ROOT / seed["run_dir"])[-1]["return/mean"] >= 40
     times = sorted(s["time_to_solve_s"] for s in data["seeds"])
     assert data["median"]["time_to_solve_s"] == sum(times) / 2

@@ -71,6 +71,7 @@ def seed_result(seed: int, run: TrainingRun) -> dict[str, Any]:
         "stop": run.stop_line,
         "layout": run.layout,  # --profile auto may take it from `bench throughput`'s cache
         "layout_from_bench": run.manifest.get("layout_from_bench"),
+        "envs_per_runner": run.manifest.get("envs_per_runner"),  # value, source, measured step cost
         "run_dir": str(run.run_dir),
     }
 

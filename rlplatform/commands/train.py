@@ -88,7 +88,8 @@ def _manifest_facts(args: argparse.Namespace, resolved: ResolvedExperiment, plan
     speedups = {"requested": resolved.config.speedups, "active": internals.active(plan.config, not args.address),
                 "ray": internals.ray_version(), "verified_on_ray": internals.VERIFIED_RAY_VERSION}
     return {"resources": vars(plan.resources), "bundles": plan.bundles, "address": args.address,
-            "layout_from_bench": plan.layout_note, "speedups": speedups,
+            "layout_from_bench": plan.layout_note,
+            "envs_per_runner": plan.envs_choice, "speedups": speedups,
             "resumed_from": str(plan.resume_from.path) if plan.resume_from else None}
 
 

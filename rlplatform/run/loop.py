@@ -147,6 +147,8 @@ def train_loop(plan: Plan) -> int:
     progress.print_start(run_dir, config, plan.resources.describe())
     if plan.layout_note:
         progress.say(plan.layout_note)
+    if plan.envs_note:
+        progress.say(plan.envs_note, style="dim")
     session = RunSession(plan, started, plan.resume_from)
     stop_flag = StopFlag()
     startup = {"ray_ready_s": (plan.ray_ready_at or started) - started, "algorithm_ready_s": time.time() - started}

@@ -25,26 +25,53 @@ class Plan:
     resume_from: Optional[CheckpointInfo] = None
     run_dir: Optional[Path] = None
     layout_note: Optional[str] = None  # where `--profile auto` took a measured layout from
+    envs_choice: dict = field(default_factory=dict)  # envs per runner: value, source, measured step cost
+    envs_note: Optional[str] = None  # the start-up line of a choice from the step-cost measurement
     ray_ready_at: Optional[float] = None  # time.time() when Ray was up
     algorithm_in_driver: bool = False  # see algorithm_host: a local run in one process, without GPUs
 
 
 def make_plan(resolved: ResolvedExperiment, resources: Resources, joined_cluster: bool, resize: bool) -> Plan:
     from rlplatform.adapter import algorithm_config
-    from rlplatform.config import layouts
+    from rlplatform.config import layouts, step_cost
 
     config = internals.gated(resolved.config)  # the version gate decides once, here, for every process of the run
     algorithm_config.check(config)
-    layout_note = None
+    layout_note = envs_note = None
+    measured = None
     if config.profile == "auto" and resize:  # a resumed run keeps the size it was started with
         config = size_to_cluster(config, resources, resolved.explicit_keys)
         config, layout_note = layouts.apply_best_layout(config, resources.cpus, resources.gpus, resolved.given_keys)
+        if layout_note is None:  # no cached layout for this machine and env: measure the env's step cost
+            config, measured = step_cost.apply_step_cost(config, resolved.given_keys)
+            envs_note = step_cost.describe(measured) if measured else None
+    envs_choice = _envs_choice(config, resolved, resize, layout_note, measured)
     main_resources = _driver_node_resource() if joined_cluster else {}
     bundles = algorithm_config.resource_bundles(algorithm_config.build_algorithm_config(config, main_resources))
     preflight(bundles, resources)
     one_cpu_process = len(bundles) == 1 and not bundles[0].get("GPU", 0)  # no runner or learner actors, no GPU
     return Plan(config=config, resources=resources, bundles=bundles, main_process_resources=main_resources,
-                layout_note=layout_note, algorithm_in_driver=one_cpu_process and not joined_cluster)
+                layout_note=layout_note, envs_choice=envs_choice, envs_note=envs_note,
+                algorithm_in_driver=one_cpu_process and not joined_cluster)
+
+
+def _envs_choice(config: ExperimentConfig, resolved: ResolvedExperiment, resize: bool, layout_note: Optional[str],
+                 measured: Optional[dict]) -> dict:
+    """What the manifest records of envs per runner: the value, where it came from, the measured step cost."""
+    from rlplatform.config import step_cost
+
+    if not resize:
+        source = step_cost.SOURCE_RESUMED
+    elif "scale.envs_per_runner" in resolved.given_keys:
+        source = step_cost.SOURCE_EXPERIMENT
+    elif measured:
+        source = step_cost.SOURCE_MEASURED
+    elif layout_note is not None:
+        source = step_cost.SOURCE_CACHE
+    else:
+        source = step_cost.SOURCE_DEFAULT
+    return {"envs_per_runner": config.scale.envs_per_runner, "source": source,
+            "step_cost_us": round(measured["step_cost_s"] * 1e6, 2) if measured else None}
 
 
 def _driver_node_resource() -> dict[str, float]:
