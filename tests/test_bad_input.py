@@ -70,6 +70,8 @@ CASES = {
     "float for an integer hyper-parameter": (["--set", "training.minibatch_size=64.5"], ["training.minibatch_size", "an integer"]),
     "integer for a bool hyper-parameter": (["--set", "training.use_gae=1"], ["training.use_gae = 1", "true or false"]),
     "text for a float hyper-parameter (alias)": (["--set", "training.lambda=high"], ["training.lambda = 'high'", "a number"]),
+    "APPO minibatches with an automatic fragment": (["--set", "algorithm=APPO", "--set", "training.minibatch_size=128"],
+                                                   ["training.minibatch_size", "scale.rollout_fragment_length"]),
     "unknown rllib pass-through": (["--set", "rllib.env_runner={num_env_runners: 1}"], ["rllib.env_runner", "env_runners"]),
     "more GPUs than exist": (["--set", "hardware.gpus_per_learner=1"] if GPUS == 0 else  # the learner in the main process
                              ["--set", f"scale.learners={GPUS + 1}", "--set", "hardware.gpus_per_learner=1"],

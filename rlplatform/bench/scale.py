@@ -27,8 +27,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 from rlplatform.bench.processes import loopback_cluster, role_of, run_processes
+from rlplatform.config.schema import ASYNCHRONOUS_ALGORITHMS
 from rlplatform.bench.training_runs import (
-    add_training_arguments, bench_dir, check_experiment, finish, median, start, train_command, write_json,
+    add_training_arguments, bench_dir, finish, median, start, train_command, write_json,
 )
 from rlplatform.errors import UserError
 from rlplatform.run import progress
@@ -83,11 +84,17 @@ def run(args: argparse.Namespace) -> int:
     _check_arguments(args)
     if args.experiment is None:
         args.experiment = DEFAULT_EXPERIMENT
-    base = check_experiment(args)
+    from rlplatform.adapter.algorithm_config import check
+    from rlplatform.config.experiment import resolve_experiment
+
+    base = resolve_experiment(args.experiment, args.overrides, args.profile).config
     total_cpus = _cluster_cpus(args)
     nodes = [_node_cpus(args)] * (args.nodes + 1) if args.nodes else [total_cpus]
     runner_cpus = args.runner_cpus or _runner_cpus(base, nodes, max(args.runners))
     points = [Point(n, m, f) for m in args.model for f in args.fragments for n in sorted(set(args.runners))]
+    for point in points:  # every point's experiment as it will run, checked before any run starts
+        check(resolve_experiment(args.experiment, [*args.overrides, *point_overrides(args, base, point, runner_cpus)],
+                                 args.profile).config)
     root = bench_dir(args.output, "scale", base.name)
     rows: list[dict[str, Any]] = []
     with loopback_cluster(args.nodes + 1 if args.nodes else 0, _node_cpus(args)) as cluster:
@@ -192,21 +199,27 @@ def measure_point(args: argparse.Namespace, base, point: Point, runner_cpus: flo
     if not measured:
         return {**row, "error": "no iteration after the warm-up was recorded"}
     ideal = point.runners * args.envs_per_runner * 1000.0 / args.wait_ms
-    row.update(iteration_figures(measured, point.fragment * args.wait_ms / 1000.0, ideal))
+    row.update(iteration_figures(measured, point.fragment * args.wait_ms / 1000.0, ideal,
+                                 asynchronous=base.algorithm in ASYNCHRONOUS_ALGORITHMS))
     window = (run_.metrics[0]["wall_time_s"], measured[-1]["wall_time_s"])
     row.update(process_figures(samples, window, args.interval))
     row.update({f"startup_{k}": v for k, v in (run_.manifest.get("startup") or {}).items()})
     return row
 
 
-def iteration_figures(measured: list[dict[str, Any]], env_time_s: float, ideal: float) -> dict[str, Any]:
-    """Throughput and the split of an iteration's time, over the measured iterations (medians per iteration)."""
+def iteration_figures(measured: list[dict[str, Any]], env_time_s: float, ideal: float, asynchronous: bool = False) -> dict[str, Any]:
+    """Throughput and the split of an iteration's time, over the measured iterations (medians per iteration).
+
+    An asynchronous algorithm (APPO, IMPALA) samples all the time and its sampling timer only collects what
+    is ready: its sampling throughput is the env steps of the iteration over its wall time, and its
+    iteration has no split into the envs' time and the rest.
+    """
 
     def med(key: str) -> Optional[float]:
         return median([m[key] for m in measured if m.get(key) is not None])
 
     steps = sum(m["steps"] for m in measured)
-    sample_s = sum(m["time/sample_s"] for m in measured)
+    sample_s = sum(m["time/iteration_s"] if asynchronous else m["time/sample_s"] for m in measured)
     sampling = steps / sample_s if sample_s else None
     figures = {"iterations": len(measured), "env_steps_per_iteration": steps / len(measured), "ideal_env_steps_per_s": ideal,
                "sampling_env_steps_per_s": sampling, "of_ideal": sampling / ideal if sampling else None,
@@ -214,9 +227,10 @@ def iteration_figures(measured: list[dict[str, Any]], env_time_s: float, ideal: 
                "iteration_s": med("time/iteration_s"), "sample_s": med("time/sample_s"), "env_time_s": env_time_s,
                "learn_s": med("time/learn_s"), "sync_weights_s": med("time/sync_weights_s"),
                "weights_apply_s": med("time/weights_apply_s")}
-    figures["gather_s"] = figures["sample_s"] - env_time_s  # beyond the envs' own waiting
+    figures["asynchronous"] = asynchronous
+    figures["gather_s"] = None if asynchronous else figures["sample_s"] - env_time_s  # beyond the envs' own waiting
     known = sum(figures[k] or 0.0 for k in ("sample_s", "learn_s", "sync_weights_s"))
-    figures["other_s"] = figures["iteration_s"] - known
+    figures["other_s"] = None if asynchronous else figures["iteration_s"] - known
     figures["broadcast_s"] = (figures["sync_weights_s"] or 0.0) + (figures["weights_apply_s"] or 0.0)
     created = [m["ray/object_store_created_gb"] for m in measured if m.get("ray/object_store_created_gb") is not None]
     figures["object_store_mb_per_iteration"] = (1024 * (created[-1] - created[0]) / (len(created) - 1)
@@ -320,8 +334,8 @@ def print_table(result: dict[str, Any]) -> None:
             continue
         table.add_row(
             *name, f"{r['sampling_env_steps_per_s']:,.0f}", f"{r['of_ideal']:.0%}", f"{r['training_env_steps_per_s']:,.0f}",
-            f"{r['iteration_s']:.2f}", f"{r['gather_s']:.2f}", _fmt(r["learn_s"], ".2f"), _fmt(r["sync_weights_s"], ".3f"),
-            _fmt(r["weights_apply_s"], ".3f"), f"{r['other_s']:.2f}")
+            f"{r['iteration_s']:.2f}", _fmt(r["gather_s"], ".2f"), _fmt(r["learn_s"], ".2f"), _fmt(r["sync_weights_s"], ".3f"),
+            _fmt(r["weights_apply_s"], ".3f"), _fmt(r["other_s"], ".2f"))
         cpu = r.get("cpu_percent") or {}
         usage.add_row(*name, _fmt(r["object_store_mb_per_iteration"], ".2f"),
                       *(_fmt(cpu.get(k), ".0f") for k in ("driver", "algorithm + local learner", "env runner", "ray")),

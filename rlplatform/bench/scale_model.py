@@ -35,10 +35,15 @@ EXTRAPOLATE_NODES = (16, 64)
 
 def run_fit(paths: list[Path], output: Path) -> int:
     points, wait_ms = load_points(paths)
+    points = [p for p in points if not p.get("asynchronous")]  # the model is the synchronous iteration's
+    if len(points) < 2:
+        raise UserError("--fit needs at least two measured points of a synchronous algorithm (PPO)")
     model = fit(points)
+    fragments = sorted({int(p["fragment"]) for p in points})
+    policy_mb = sorted({min(p["policy_mb"] for p in points), max(p["policy_mb"] for p in points)})
     result = {"sources": [str(p) for p in paths], "wait_ms": wait_ms, "points": len(points), **model,
-              "extrapolation": extrapolate(model, wait_ms, fragment=int(max(p["fragment"] for p in points)),
-                                           policy_mb=[min(p["policy_mb"] for p in points), max(p["policy_mb"] for p in points)])}
+              "extrapolation": [row for f in dict.fromkeys([fragments[0], fragments[-1]])
+                                for row in extrapolate(model, wait_ms, fragment=f, policy_mb=policy_mb)]}
     output.mkdir(parents=True, exist_ok=True)
     path = write_json(output / "scale-fit.json", result)
     print_fit(result)
