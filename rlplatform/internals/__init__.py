@@ -60,6 +60,8 @@ def active(config: Any, local_instance: bool) -> list[str]:
         names.insert(0, "local_node")
     if config.multi_agent is None:
         names += ["lean_env_runner", "packed_episodes"]
+    if numpy_policy_applies(config):
+        names.append("slim_env_runner")
     if config.algorithm in LEAN_LEARNER_ALGORITHMS:
         names.append("lean_learner")
     if lean_off_policy_applies(config):
