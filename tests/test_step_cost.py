@@ -121,7 +121,9 @@ def test_train_records_the_measured_choice_and_keeps_an_explicit_one(tmp_path):
     path = experiment(tmp_path, stop={"iterations": 1}, checkpoint={"every": 0})
     env = {layouts.CACHE_ENV: str(tmp_path / "empty-cache")}
     runs = tmp_path / "runs"
-    measured = run_cli("train", path, "--profile", "auto", "--runs-dir", runs, "--set", "name=measured", env=env, timeout=300)
+    quick = ["--set", "rllib.reporting.min_time_s_per_iteration=1"]  # APPO's iterations last 10 s otherwise
+    measured = run_cli("train", path, "--profile", "auto", "--runs-dir", runs, "--set", "name=measured", *quick, env=env,
+                       timeout=300)
     assert measured.returncode == 0, measured.stdout + measured.stderr
     assert "envs per runner: 8 (step-cost measurement at start-up: " in measured.stdout
     run_dir = only_run_dir(runs, "measured")
@@ -131,7 +133,7 @@ def test_train_records_the_measured_choice_and_keeps_an_explicit_one(tmp_path):
     assert yaml.safe_load((run_dir / "config.yaml").read_text())["scale"]["envs_per_runner"] == 8
 
     kept = run_cli("train", path, "--profile", "auto", "--runs-dir", runs, "--set", "name=kept",
-                   "--set", "scale.envs_per_runner=3", env=env, timeout=300)
+                   "--set", "scale.envs_per_runner=3", *quick, env=env, timeout=300)
     assert kept.returncode == 0, kept.stdout + kept.stderr
     assert "step-cost measurement" not in kept.stdout
     run_dir = only_run_dir(runs, "kept")

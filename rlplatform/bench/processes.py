@@ -4,8 +4,9 @@ and every process of the loopback nodes a benchmark starts for it (`bench soak -
 from __future__ import annotations
 
 import contextlib
+import time
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from rlplatform.errors import TrainingFailed
 from rlplatform.infra.loopback import LoopbackCluster
@@ -78,3 +79,33 @@ def role_of(proc) -> Optional[str]:
             return "learner"
         return None if name == "IDLE" else f"ray {name}"
     return RAY_EXECUTABLES.get(Path(title).name, "other")
+
+
+def sample_processes(processes: Callable[[], list[tuple[Any, str]]], read: Callable[[Any, str], dict[str, Any]],
+                     started: float, interval_s: float, poll) -> list[dict[str, Any]]:
+    """Every `interval_s` until `poll()` says the run has exited: `read(process, role)` of every process that
+    `processes()` names (process, node) and that has a role (the first one named is the driver), as
+    `{"t": seconds since started, "processes": {pid: {"role", "node", **read(...)}}}`."""
+    import psutil
+
+    samples = []
+    while poll() is None:
+        t = time.time() - started
+        found: dict[str, dict[str, Any]] = {}
+        try:
+            procs = processes()
+        except psutil.NoSuchProcess:
+            break
+        for i, (p, node) in enumerate(procs):
+            role = "driver" if i == 0 else role_of(p)
+            if role is None or str(p.pid) in found:
+                continue
+            try:
+                found[str(p.pid)] = {"role": role, "node": node, **read(p, role)}
+            except psutil.Error:
+                continue
+        samples.append({"t": t, "processes": found})
+        deadline = time.time() + interval_s
+        while poll() is None and time.time() < deadline:
+            time.sleep(0.1)
+    return samples

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from rlplatform.bench.processes import loopback_cluster, role_of, run_processes
+from rlplatform.bench.processes import loopback_cluster, run_processes, sample_processes
 from rlplatform.config.schema import ASYNCHRONOUS_ALGORITHMS
 from rlplatform.bench.training_runs import (
     add_training_arguments, bench_dir, finish, median, start, train_command, write_json,
@@ -186,7 +186,7 @@ def point_overrides(args: argparse.Namespace, base, point: Point, runner_cpus: f
 def measure_point(args: argparse.Namespace, base, point: Point, runner_cpus: float, run_root: Path, cluster) -> dict[str, Any]:
     overrides = point_overrides(args, base, point, runner_cpus)
     proc, started = start(train_command(args, run_root, overrides), run_root, env=cluster.head.env if cluster else None)
-    samples = sample_processes(lambda: run_processes(proc.pid, cluster), started, args.interval, poll=proc.poll)
+    samples = sample_processes(lambda: run_processes(proc.pid, cluster), read_usage, started, args.interval, poll=proc.poll)
     run_ = finish(proc, started, run_root, run_root, timeout_s=600)
     row: dict[str, Any] = {"runners": point.runners, "model": point.model, "fragment": point.fragment,
                            "envs_per_runner": args.envs_per_runner, "run_dir": str(run_.run_dir),
@@ -238,37 +238,14 @@ def iteration_figures(measured: list[dict[str, Any]], env_time_s: float, ideal: 
     return figures
 
 
-def sample_processes(processes, started: float, interval_s: float, poll) -> list[dict[str, Any]]:
-    """CPU seconds of every process of the run that has a role, and RSS and USS of the env runners, learners,
-    the driver and the algorithm's process, every `interval_s` until `poll()` says the run has exited."""
-    import psutil
-
-    samples = []
-    while poll() is None:
-        t = time.time() - started
-        found: dict[str, dict[str, Any]] = {}
-        try:
-            procs = processes()
-        except psutil.NoSuchProcess:
-            break
-        for i, (p, node) in enumerate(procs):
-            role = "driver" if i == 0 else role_of(p)
-            if role is None or str(p.pid) in found:
-                continue
-            try:
-                cpu = p.cpu_times()
-                entry = {"role": role, "node": node, "cpu_s": cpu.user + cpu.system}
-                if role in SAMPLED_ROLES:
-                    mem = p.memory_full_info()
-                    entry.update(rss=mem.rss, uss=mem.uss)
-            except psutil.Error:
-                continue
-            found[str(p.pid)] = entry
-        samples.append({"t": t, "processes": found})
-        deadline = time.time() + interval_s
-        while poll() is None and time.time() < deadline:
-            time.sleep(0.1)
-    return samples
+def read_usage(proc, role: str) -> dict[str, Any]:
+    """CPU seconds of every process of the run; RSS and USS of the driver, the algorithm's process, runners and learners."""
+    cpu = proc.cpu_times()
+    entry: dict[str, Any] = {"cpu_s": cpu.user + cpu.system}
+    if role in SAMPLED_ROLES:
+        mem = proc.memory_full_info()
+        entry.update(rss=mem.rss, uss=mem.uss)
+    return entry
 
 
 def process_figures(samples: list[dict[str, Any]], window: tuple[float, float], interval_s: float) -> dict[str, Any]:

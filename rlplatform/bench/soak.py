@@ -18,16 +18,15 @@ Results: `<output>/soak-<name>-<time>/soak.json` and `soak.png`.
 from __future__ import annotations
 
 import argparse
-import time
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from rlplatform.run import progress
 from rlplatform.bench.training_runs import (
     add_training_arguments, bench_dir, check_experiment, finish, median, start, train_command, wall_clock_only, write_json,
 )
 from rlplatform.errors import TrainingFailed, UserError
-from rlplatform.bench.processes import loopback_cluster, role_of, run_processes
+from rlplatform.bench.processes import loopback_cluster, run_processes, sample_processes
 from rlplatform.infra.loopback import CLUSTER_RAY_ENV
 
 GROWTH_TARGET = 0.05
@@ -69,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
                               env=cluster.head.env if cluster else None)
         progress.say(f"soak: training {config.name} for {args.minutes:g} min, memory every {args.interval:g} s "
                      f"(growth measured after {warmup_s / 60:g} min)")
-        samples = sample_memory(lambda: run_processes(proc.pid, cluster), started, args.interval, poll=proc.poll)
+        samples = sample_processes(lambda: run_processes(proc.pid, cluster), read_rss, started, args.interval, poll=proc.poll)
         run_ = finish(proc, started, root / "run", root / "run", timeout_s=120)
     if run_.returncode != 0:
         raise TrainingFailed(run_.failure())
@@ -87,39 +86,15 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def sample_memory(processes: Callable[[], list[tuple[Any, str]]], started: float, interval_s: float, poll) -> list[dict[str, Any]]:
-    """RSS of every process `processes()` names (process, node) until `poll()` says the run has exited; the
-    driver is the first one named."""
-    import psutil
-
-    samples = []
-    while poll() is None:
-        t = time.time() - started
-        rss: dict[str, dict[str, Any]] = {}
-        try:
-            procs = processes()
-        except psutil.NoSuchProcess:
-            break
-        for i, (p, node) in enumerate(procs):
-            role = "driver" if i == 0 else role_of(p)
-            if role is None or str(p.pid) in rss:
-                continue
-            try:
-                rss[str(p.pid)] = {"role": role, "node": node, "rss": p.memory_info().rss}
-            except psutil.Error:
-                continue
-        samples.append({"t": t, "rss": rss})
-        deadline = time.time() + interval_s
-        while poll() is None and time.time() < deadline:
-            time.sleep(0.2)
-    return samples
+def read_rss(proc, role: str) -> dict[str, Any]:
+    return {"rss": proc.memory_info().rss}
 
 
 def growth_per_process(samples: list[dict[str, Any]], warmup_s: float) -> list[dict[str, Any]]:
-    pids = {pid: (info["role"], info.get("node", "driver")) for s in samples for pid, info in s["rss"].items()}
+    pids = {pid: (info["role"], info.get("node", "driver")) for s in samples for pid, info in s["processes"].items()}
     rows = []
     for pid, (role, node) in sorted(pids.items(), key=lambda kv: (kv[1], int(kv[0]))):
-        series = [(s["t"], s["rss"][pid]["rss"]) for s in samples if pid in s["rss"]]
+        series = [(s["t"], s["processes"][pid]["rss"]) for s in samples if pid in s["processes"]]
         after = [rss for t, rss in series if t >= warmup_s]
         baseline = median(after[:SPAN_SAMPLES]) if len(after) >= 2 * SPAN_SAMPLES else None
         end = median(after[-SPAN_SAMPLES:]) if baseline is not None else None
@@ -159,7 +134,7 @@ def plot(samples: list[dict[str, Any]], processes: list[dict[str, Any]], warmup_
     fig, ax = plt.subplots(figsize=(9, 5))
     for p in processes:
         pid = str(p["pid"])
-        series = [(s["t"] / 60, s["rss"][pid]["rss"] / 2**20) for s in samples if pid in s["rss"]]
+        series = [(s["t"] / 60, s["processes"][pid]["rss"] / 2**20) for s in samples if pid in s["processes"]]
         ax.plot(*zip(*series), label=f"{p['role']}, {p['node']} ({pid})")
     ax.axvline(warmup_s / 60, color="grey", linestyle="--", label="end of warm-up")
     ax.set_xlabel("minutes since the command started")

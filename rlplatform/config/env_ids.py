@@ -26,6 +26,9 @@ def runner_env_id(env: str) -> str:
         module = OWN_PACKAGE
     if module:
         _import_env_module(module, env)
+    elif env_id.startswith("ALE/"):
+        # Registered here only if this process imported ale_py already; an env runner's fresh process has not.
+        raise UserError(f"unknown env id {env!r} (Atari ids need the module prefix: 'ale_py:{env_id}')")
     _check_registered(env_id, env)
     return f"{module}:{env_id}" if module else env_id
 
