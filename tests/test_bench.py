@@ -209,6 +209,8 @@ def test_scale_measures_waiting_runners_over_a_loopback_node_and_fits_the_cost_m
         assert point["broadcast_s"] >= point["sync_weights_s"] and point["object_store_mb_per_iteration"] > 0
         assert point["runner_processes"] == point["runners"] and "worker 1" in point["runner_nodes"]
         assert 0 < point["runner_uss_mb"] < point["runner_rss_mb"]
+        assert len(point["runner_memory"]) == point["runners"]  # every runner's own RSS and USS
+        assert all(0 < r["uss_mb"] < r["rss_mb"] for r in point["runner_memory"])
         assert {"driver", "algorithm + local learner", "env runner", "ray"} <= set(point["cpu_percent"]), point["cpu_percent"]
         assert 0 < point["startup_first_sample_s"] < 300
         # Every iteration's own times (RLlib smooths its timers; the run's tags must not be smoothed):

@@ -263,9 +263,12 @@ def process_figures(samples: list[dict[str, Any]], window: tuple[float, float], 
         if t1 > t0:
             role = last["role"] if last["role"] in SAMPLED_ROLES else "ray"
             cpu[role] = cpu.get(role, 0.0) + 100 * (last["cpu_s"] - first["cpu_s"]) / (t1 - t0)
-    runners = [series[-1][1] for series in seen.values() if series[-1][1]["role"] == "env runner" and "uss" in series[-1][1]]
+    last = {pid: series[-1][1] for pid, series in seen.items()}
+    runners = [e for e in last.values() if e["role"] == "env runner" and "uss" in e]
     mb = 2**20
     return {"cpu_percent": cpu or None, "runner_processes": len(runners),
+            "runner_memory": [{"pid": int(pid), "node": e["node"], "rss_mb": e["rss"] / mb, "uss_mb": e["uss"] / mb}
+                              for pid, e in last.items() if e in runners],
             "runner_rss_mb": median([e["rss"] / mb for e in runners]), "runner_uss_mb": median([e["uss"] / mb for e in runners]),
             "runner_uss_max_mb": max((e["uss"] / mb for e in runners), default=None),
             "runner_nodes": sorted({e["node"] for e in runners})}
