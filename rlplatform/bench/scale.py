@@ -88,8 +88,8 @@ def run(args: argparse.Namespace) -> int:
     from rlplatform.config.experiment import resolve_experiment
 
     base = resolve_experiment(args.experiment, args.overrides, args.profile).config
-    total_cpus = _cluster_cpus(args)
-    nodes = [_node_cpus(args)] * (args.nodes + 1) if args.nodes else [total_cpus]
+    nodes = [_node_cpus(args)] * (args.nodes + 1) if args.nodes else [float(_host_cpus())]  # head first
+    total_cpus = sum(nodes)
     runner_cpus = args.runner_cpus or _runner_cpus(base, nodes, max(args.runners))
     points = [Point(n, m, f) for m in args.model for f in args.fragments for n in sorted(set(args.runners))]
     for point in points:  # every point's experiment as it will run, checked before any run starts
@@ -138,10 +138,6 @@ def _host_cpus() -> int:
 
 def _node_cpus(args: argparse.Namespace) -> float:
     return args.node_cpus or float(_host_cpus())
-
-
-def _cluster_cpus(args: argparse.Namespace) -> float:
-    return _node_cpus(args) * (args.nodes + 1) if args.nodes else float(_host_cpus())
 
 
 def _runner_cpus(config, node_cpus: list[float], runners: int) -> float:
