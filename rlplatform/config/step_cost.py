@@ -57,11 +57,9 @@ def measure_step_cost(env: str, env_config: dict[str, Any], max_steps: int = MEA
     count) of one env built as the env runners build it, random actions; None when the env cannot be
     built or stepped (the run's own checks report it)."""
     try:
-        import gymnasium as gym
+        from rlplatform.config.env_ids import make_env
 
-        from rlplatform.config.env_ids import runner_env_id
-
-        env_obj = gym.make(runner_env_id(env), **env_config)
+        env_obj = make_env(env, **env_config)
     except Exception:
         return None
     try:
