@@ -4,23 +4,20 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from multinode import ROOT, RayNode, free_port, read_metrics  # noqa: F401  (shared helpers, one definition each)
 
-# Every test carries what it needs, so that `-m "not slow and not cluster and not browser and not learning"`
-# runs the quick part (minutes on 2 cores, no Ray started).
-MARKERS = {
-    "slow": "starts Ray (a private local instance, a head node, a `train` or `bench` process) or trains",
-    "cluster": "needs a second Ray node, `ray up`, Ray Jobs against a head, or docker tooling",
-    "browser": "drives a headless Chromium",
-    "learning": "training runs long enough to show that an algorithm learns",
-    "docker": "builds the CPU image and runs containers (tests/containers.py starts a Docker daemon if none runs)",
-}
+# The markers are described once, in pyproject.toml. `-m "not slow"` is the quick tier (under two minutes on
+# 2 cores, no Ray started): a test that needs a cluster, a browser, Docker or a learning run is slow too.
+ONLY_WITH_SLOW = ("cluster", "browser", "learning", "docker")
 
 
-def pytest_configure(config):
-    for name, description in MARKERS.items():
-        config.addinivalue_line("markers", f"{name}: {description}")
+def pytest_collection_modifyitems(config, items):
+    unmarked = [f"{item.nodeid} ({', '.join(sorted(needs))})" for item in items
+                if (needs := {m.name for m in item.iter_markers() if m.name in ONLY_WITH_SLOW})
+                and item.get_closest_marker("slow") is None]
+    if unmarked:
+        raise pytest.UsageError("tests that need a cluster, a browser, Docker or a learning run must be "
+                                "marked slow as well (the quick tier is -m \"not slow\"):\n  " + "\n  ".join(unmarked))
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -9,7 +9,6 @@ import os
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT, assert_user_error, run_cli
 
 DEFAULT = ROOT / "experiments" / "cartpole_ppo.yaml"
@@ -85,7 +84,15 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("args,fragments", list(CASES.values()), ids=list(CASES))
+# Cases whose process imports RLlib to check them (about 4 s each on 2 cores): slow, but for one of them.
+SLOW_CASES = {"unknown env id", "hyper-parameter of the wrong type", "float for an integer hyper-parameter",
+              "integer for a bool hyper-parameter", "text for a float hyper-parameter (alias)",
+              "APPO minibatches with an automatic fragment", "unknown rllib pass-through", "more GPUs than exist",
+              "more CPUs than exist"}
+
+
+@pytest.mark.parametrize("args,fragments", [pytest.param(*case, marks=[pytest.mark.slow] if name in SLOW_CASES else [])
+                                            for name, case in CASES.items()], ids=list(CASES))
 def test_bad_train_input(args, fragments, runs, existing_run):
     before = tree_digest(runs)
     assert_user_error(run_cli("train", *args, "--runs-dir", runs), *fragments)
@@ -116,12 +123,14 @@ def test_resume_missing_run_dir(tmp_path):
     assert_user_error(run_cli("train", "--resume", tmp_path / "no-such-run"), "not found", "no-such-run")
 
 
+@pytest.mark.slow  # its process imports RLlib (about 4 s on 2 cores)
 def test_resume_without_checkpoint(runs, existing_run):
     before = tree_digest(runs)
     assert_user_error(run_cli("train", "--resume", existing_run), "no complete checkpoint")
     assert tree_digest(runs) == before
 
 
+@pytest.mark.slow  # its process imports RLlib (about 4 s on 2 cores)
 def test_resume_corrupt_checkpoint(runs, existing_run):
     corrupt_checkpoint(existing_run)
     before = tree_digest(runs)
@@ -133,6 +142,7 @@ def test_evaluate_missing_checkpoint(tmp_path):
     assert_user_error(run_cli("evaluate", tmp_path / "gone"), "no such run directory or checkpoint")
 
 
+@pytest.mark.slow  # its process imports RLlib (about 4 s on 2 cores)
 def test_evaluate_corrupt_checkpoint(runs, existing_run):
     ckpt = corrupt_checkpoint(existing_run)
     assert_user_error(run_cli("evaluate", ckpt, "--episodes", "1"), "cannot be loaded")

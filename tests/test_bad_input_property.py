@@ -23,10 +23,11 @@ from typing import Any, Callable, get_args
 from unittest import mock
 
 import yaml
-from hypothesis import HealthCheck, example, given, settings, strategies as st
+from conftest import ROOT, assert_user_error, run_cli
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
 from pydantic import BaseModel
 
-from conftest import ROOT, assert_user_error, run_cli
 from rlplatform import cli
 from rlplatform.config.files import load_yaml_text
 from rlplatform.config.schema import ExperimentConfig

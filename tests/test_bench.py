@@ -7,13 +7,14 @@ import json
 import os
 import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import ROOT, assert_user_error, read_metrics, run_cli
 from multinode import alive
+
 from rlplatform.infra.loopback import CLUSTER_RAY_ENV
 
 DEFAULT = ROOT / "experiments" / "cartpole_ppo.yaml"
@@ -123,22 +124,40 @@ def test_soak_on_a_loopback_cluster_reads_every_process_of_every_node(tmp_path):
     assert not any(map(alive, pids)), "the soak left a process of its cluster running"
 
 
-def test_bad_bench_input_is_refused_before_ray_starts(tmp_path):
-    assert_user_error(run_cli("bench", "throughput", "--layouts", "2by8", "-o", tmp_path), "--layouts", "2by8")
-    assert_user_error(run_cli("bench", "solve", "--seeds", "0", "-o", tmp_path), "--seeds")
-    assert_user_error(run_cli("bench", "solve", "--set", "stop.return_mean=null", "-o", tmp_path), "stop.return_mean")
-    assert_user_error(run_cli("bench", "solve", "--set", "training.lrr=1", "-o", tmp_path), "training.lrr")
-    assert_user_error(run_cli("bench", "soak", "--minutes", "1", "--warmup-minutes", "2", "-o", tmp_path), "--warmup-minutes")
-    assert_user_error(run_cli("bench", "soak", "--nodes", "1", "-o", tmp_path), "--nodes")
-    assert_user_error(run_cli("bench", "learner", DEFAULT, "-o", tmp_path), "cartpole-ppo is PPO")
-    assert_user_error(run_cli("bench", "learner", "--rounds", "0", "-o", tmp_path), "--rounds")
-    assert_user_error(run_cli("bench", "scale", "--runners", "0", "-o", tmp_path), "--runners")
-    assert_user_error(run_cli("bench", "scale", "--address", "127.0.0.1:6379", "-o", tmp_path), "--address")
-    assert_user_error(run_cli("bench", "scale", "--runners", "5000", "-o", tmp_path), "5000 runners do not fit")
-    assert_user_error(run_cli("bench", "scale", "--fit", tmp_path / "none.json", "-o", tmp_path / "fit"), "none.json")
+def refused_side_by_side(cases: list, tmp_path: Path) -> None:
+    """Each (arguments, fragments of the one error line) in its own `bench` process, a CPU each at a time."""
+    with ThreadPoolExecutor(max_workers=max(2, CPUS)) as pool:
+        results = list(pool.map(lambda case: run_cli("bench", *case[0]), cases))
+    for (_, fragments), result in zip(cases, results):
+        assert_user_error(result, *fragments)
     assert not list(tmp_path.iterdir())
 
 
+def test_bad_bench_input_is_refused_before_ray_starts(tmp_path):
+    refused_side_by_side([
+        (["throughput", "--layouts", "2by8", "-o", tmp_path], ["--layouts", "2by8"]),
+        (["solve", "--seeds", "0", "-o", tmp_path], ["--seeds"]),
+        (["soak", "--minutes", "1", "--warmup-minutes", "2", "-o", tmp_path], ["--warmup-minutes"]),
+        (["soak", "--nodes", "1", "-o", tmp_path], ["--nodes"]),
+        (["learner", "--rounds", "0", "-o", tmp_path], ["--rounds"]),
+        (["scale", "--runners", "0", "-o", tmp_path], ["--runners"]),
+        (["scale", "--address", "127.0.0.1:6379", "-o", tmp_path], ["--address"]),  # not offered: it reads local processes
+        (["scale", "--nodes", "1", "-o", tmp_path], ["--nodes"]),  # a head and at least one worker, as for soak
+        (["scale", "--runners", "5000", "-o", tmp_path], ["5000 runners do not fit"]),
+        (["scale", "--fit", tmp_path / "none.json", "-o", tmp_path / "fit"], ["none.json"]),
+    ], tmp_path)
+
+
+@pytest.mark.slow  # each process imports RLlib to check the experiment (about 4 s each on 2 cores)
+def test_a_bad_experiment_for_bench_is_refused_before_ray_starts(tmp_path):
+    refused_side_by_side([
+        (["solve", "--set", "stop.return_mean=null", "-o", tmp_path], ["stop.return_mean"]),
+        (["solve", "--set", "training.lrr=1", "-o", tmp_path], ["training.lrr"]),
+        (["learner", DEFAULT, "-o", tmp_path], ["cartpole-ppo is PPO"]),
+    ], tmp_path)
+
+
+@pytest.mark.slow  # three RLlib learners built and timed in a `bench learner` process, twice
 @pytest.mark.parametrize("experiment", ["cartpole_dqn", "pendulum_sac"])
 def test_learner_bench_times_the_lean_rllib_and_plain_torch_updates(tmp_path, experiment):
     result = run_cli("bench", "learner", ROOT / "experiments" / f"{experiment}.yaml", "--seconds", "0.6", "--rounds", "1",
@@ -192,13 +211,13 @@ def test_gpu_preset_without_a_gpu_learner_measures_the_cpu_baseline(tmp_path):
 @pytest.mark.slow
 @pytest.mark.cluster
 def test_scale_measures_waiting_runners_over_a_loopback_node_and_fits_the_cost_model(tmp_path):
-    result = run_cli("bench", "scale", "--runners", "2", "4", "--nodes", "1", "--node-cpus", "2", "--iterations", "2",
+    result = run_cli("bench", "scale", "--runners", "2", "4", "--nodes", "2", "--node-cpus", "2", "--iterations", "2",
                      "--fragments", "10", "--wait-ms", "50", "--interval", "1", "-o", tmp_path, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     (path,) = tmp_path.glob("scale-costly-sim-ppo-*/scale.json")
     assert (path.parent / "scale.png").is_file()
     data = json.loads(path.read_text())
-    assert data["nodes"] == 1 and data["wait_ms"] == 50 and data["runner_cpus"] > 0
+    assert data["nodes"] == 2 and data["wait_ms"] == 50 and data["runner_cpus"] > 0
     assert [p["runners"] for p in data["points"]] == [2, 4]
     for point in data["points"]:
         assert "error" not in point, point

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import psutil
 import pytest
-
 from multinode import ROOT, RayNode, read_metrics, wait_for_nodes
+
 from rlplatform.run.checkpoints import list_checkpoints, verify
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]

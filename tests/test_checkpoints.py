@@ -5,11 +5,18 @@ from pathlib import Path
 
 import pytest
 
+from rlplatform.errors import UserError
 from rlplatform.run.checkpoints import (
-    CheckpointManager, best_first, checked, first_usable, latest_checkpoint, list_checkpoints, newest_first, read_checkpoint,
+    CheckpointManager,
+    best_first,
+    checked,
+    first_usable,
+    latest_checkpoint,
+    list_checkpoints,
+    newest_first,
+    read_checkpoint,
     verify,
 )
-from rlplatform.errors import UserError
 
 
 def fake_rllib_writer(path: str) -> None:

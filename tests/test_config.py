@@ -4,9 +4,9 @@ from pathlib import Path
 
 import pytest
 
+from rlplatform.config.experiment import resolve_experiment
 from rlplatform.config.files import parse_override
 from rlplatform.errors import UserError
-from rlplatform.config.experiment import resolve_experiment
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import ROOT, assert_user_error, free_port, read_metrics, run_cli
 
 ARTIFACTS = ROOT / "test-artifacts"

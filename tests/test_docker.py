@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import Optional
 
 import pytest
-
 from conftest import assert_user_error
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -61,7 +60,7 @@ def instructions(path: Path) -> list[tuple[str, str]]:
     return out
 
 
-@pytest.mark.cluster  # docker tooling (hadolint); the checks below read the files only
+@pytest.mark.lint  # hadolint, a static binary: no Docker daemon, no Ray (the checks below read the files only)
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
 def test_hadolint_clean(dockerfile: Path, tmp_path: Path) -> None:
     config = tmp_path / "hadolint.yaml"  # ours only: no user or project config can relax the rules
@@ -187,7 +186,6 @@ def host_dir_for_uid(path: Path) -> Path:
 
 
 @pytest.mark.docker
-@pytest.mark.cluster
 @pytest.mark.slow
 def test_image_runs_ray_and_the_cli_as_user_1000(docker, cpu_image) -> None:
     assert docker("run", "--rm", "--entrypoint", "ray", cpu_image, "--version").stdout.strip() == "ray, version 2.60.0"
@@ -208,7 +206,6 @@ true
 
 
 @pytest.mark.docker
-@pytest.mark.cluster
 @pytest.mark.slow
 def test_image_has_no_compiler_caches_or_secrets(docker, cpu_image) -> None:
     found = docker("run", "--rm", "--user", "0", "--entrypoint", "sh", cpu_image, "-c", LEFTOVERS).stdout.split()
@@ -221,7 +218,6 @@ def test_image_has_no_compiler_caches_or_secrets(docker, cpu_image) -> None:
 
 
 @pytest.mark.docker
-@pytest.mark.cluster
 @pytest.mark.slow
 def test_train_in_a_container_writes_a_run_directory_the_host_can_read(docker, cpu_image, tmp_path: Path) -> None:
     runs = host_dir_for_uid(tmp_path / "runs")

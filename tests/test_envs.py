@@ -2,7 +2,6 @@
 file with remote env runners, multi-agent metrics per policy, and fault injection."""
 
 import pytest
-
 from conftest import ROOT, only_run_dir, read_metrics, run_cli
 
 CHECKS = {

@@ -12,14 +12,15 @@ import ray
 import ray.cloudpickle as cloudpickle
 from ray.rllib.env.single_agent_episode import SingleAgentEpisode
 from ray.rllib.env.utils.infinite_lookback_buffer import InfiniteLookbackBuffer
-
-from rlplatform.config.sizing import Resources
-from rlplatform.infra.local_ray import connect as connect_ray, shutdown as shutdown_ray
-from rlplatform.internals.episode_transport import EPISODE_SLOTS, PackedEpisodes
-from rlplatform.config.experiment import resolve_experiment
-from rlplatform.internals.episode_stats import chunk_return
-from rlplatform.adapter.env_runners import remote_env_runners
 from test_lean_env_runner import runner
+
+from rlplatform.adapter.env_runners import remote_env_runners
+from rlplatform.config.experiment import resolve_experiment
+from rlplatform.config.sizing import Resources
+from rlplatform.infra.local_ray import connect as connect_ray
+from rlplatform.infra.local_ray import shutdown as shutdown_ray
+from rlplatform.internals.episode_stats import chunk_return
+from rlplatform.internals.episode_transport import EPISODE_SLOTS, PackedEpisodes
 
 
 def through_pickle(value):

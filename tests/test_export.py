@@ -14,7 +14,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import ROOT, assert_user_error, only_run_dir, run_cli
 
 ONE_ITERATION = ["--set", "stop.iterations=1", "--set", "stop.env_steps=null", "--set", "stop.return_mean=null",

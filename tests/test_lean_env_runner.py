@@ -6,10 +6,10 @@ Real env runners built from real experiments, in this process (an EnvRunner need
 import numpy as np
 import pytest
 import torch
-
 from conftest import ROOT
-from rlplatform.config.experiment import resolve_experiment
+
 from rlplatform.adapter.algorithm_config import build_algorithm_config
+from rlplatform.config.experiment import resolve_experiment
 
 
 def runner(experiment: str = "cartpole_ppo", *overrides: str, cls=None):

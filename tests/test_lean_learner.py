@@ -9,11 +9,11 @@ import sys
 
 import pytest
 import torch
+from conftest import ROOT
 from ray.rllib.core.learner.torch.torch_learner import TorchLearner
 
-from conftest import ROOT
-from rlplatform.config.experiment import resolve_experiment
 from rlplatform.adapter.algorithm_config import build_algorithm_config
+from rlplatform.config.experiment import resolve_experiment
 
 
 def algo_config(*overrides: str, experiment: str = "cartpole_ppo"):
@@ -81,6 +81,7 @@ def test_eager_adam_steps_saves_and_loads_as_torch_adam():
     torch.testing.assert_close(restored.state_dict(), state)
 
 
+@pytest.mark.slow  # a Python process that imports RLlib and builds a learner (4 s on 2 cores)
 def test_building_and_updating_imports_no_torch_compiler():
     """torch._dynamo costs 1-1.7 s of CPU to import: a learner that is not compiled never loads it."""
     script = (
@@ -156,10 +157,27 @@ def test_ppo_loss_gradients_and_metrics_are_rllibs(episodes):
         assert logged_a == logged_b and {"policy_loss", "vf_loss", "entropy", "mean_kl_loss"} <= set(logged_a)
 
 
-def test_ppo_with_the_kl_term_takes_rllibs_loss(episodes):
+def test_ppo_with_the_kl_term_takes_rllibs_loss(episodes, monkeypatch):
+    from ray.rllib.algorithms.ppo.torch.ppo_torch_learner import PPOTorchLearner
+
+    rllibs_loss, calls = PPOTorchLearner.compute_loss_for_module, []
+
+    def observed(self, **kwargs):  # RLlib's own loss, called through: only counts who called it
+        calls.append(self)
+        return rllibs_loss(self, **kwargs)
+
+    monkeypatch.setattr(PPOTorchLearner, "compute_loss_for_module", observed)
     lean, plain = learner("training.use_kl_loss=true"), learner("speedups=false", "training.use_kl_loss=true")
-    for each in (lean, plain):
-        each.update(episodes=copy.deepcopy(episodes), timesteps={"num_env_steps_sampled_lifetime": 400}, num_epochs=2, minibatch_size=100)
+    results = {}
+    for name, each in (("lean", lean), ("plain", plain)):
+        results[name] = each.update(episodes=copy.deepcopy(episodes), timesteps={"num_env_steps_sampled_lifetime": 400},
+                                    num_epochs=2, minibatch_size=100)
+    lean_calls, plain_calls = sum(c is lean for c in calls), sum(c is plain for c in calls)
+    assert lean_calls == plain_calls > 0  # every minibatch of the lean learner went to RLlib's loss
+    # RLlib's loss with the KL term logs the real mean KL (the lean loss logs 0.0) and the KL coefficient
+    kl = {name: float(r["default_policy"]["mean_kl_loss"]) for name, r in results.items()}
+    assert kl["lean"] == pytest.approx(kl["plain"], rel=1e-4) and kl["lean"] > 0, kl
+    assert "curr_kl_coeff" in results["lean"]["default_policy"]
     for name, value in weights(plain).items():
         torch.testing.assert_close(weights(lean)[name], value, rtol=1e-4, atol=1e-6)
 

@@ -11,14 +11,13 @@ import gymnasium as gym
 import numpy as np
 import pytest
 import torch
+from conftest import ROOT
 from ray.rllib.core import DEFAULT_MODULE_ID
-from ray.rllib.core.columns import Columns
 from ray.rllib.env.single_agent_episode import SingleAgentEpisode
 from ray.rllib.policy.sample_batch import MultiAgentBatch, SampleBatch
 from ray.rllib.utils.metrics import NUM_ENV_STEPS_SAMPLED_LIFETIME
 from ray.rllib.utils.replay_buffers.episode_replay_buffer import EpisodeReplayBuffer
 
-from conftest import ROOT
 from rlplatform.adapter.algorithm_config import build_algorithm_config
 from rlplatform.config.experiment import resolve_experiment
 from rlplatform.internals.flat_replay_buffer import FlatReplayBuffer
@@ -196,8 +195,8 @@ CASES = [("pendulum_sac", "Pendulum-v1", 3, True), ("cartpole_dqn", "CartPole-v1
 
 
 def test_the_presets_use_the_lean_path_and_the_switch_turns_it_off():
-    from ray.rllib.algorithms.sac.torch.sac_torch_learner import SACTorchLearner
     from ray.rllib.algorithms.dqn.torch.dqn_torch_learner import DQNTorchLearner
+    from ray.rllib.algorithms.sac.torch.sac_torch_learner import SACTorchLearner
 
     from rlplatform.internals.lean_off_policy import LeanDQN, LeanDQNTorchLearner, LeanSAC, LeanSACTorchLearner
 

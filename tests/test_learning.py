@@ -1,14 +1,18 @@
 """The default experiment really learns: CartPole PPO reaches a 100-episode mean return of 475
-within 100k env steps, trained exactly as `python -m rlplatform train` trains it; its ONNX export
-reaches the same 100-episode greedy return as its checkpoint."""
+within 100k env steps, trained exactly as `python -m rlplatform train` trains it, speed-ups on; its ONNX
+export reaches the same 100-episode greedy return as its checkpoint.
+
+One training for the module. The speed-ups are checked against plain RLlib without a second training:
+the same update (tests/test_lean_learner.py, test_lean_off_policy.py), the same episodes
+(test_lean_env_runner.py, test_slim_env_runner.py), and `speedups=false` recorded as plain RLlib
+(test_internals.py)."""
 
 import json
 
 import pytest
-
 from conftest import only_run_dir, read_metrics, run_cli
 
-pytestmark = pytest.mark.slow  # and each test `learning`: trains to a target return
+pytestmark = [pytest.mark.slow, pytest.mark.learning]  # trains to a target return
 
 
 @pytest.fixture(scope="module")
@@ -19,17 +23,17 @@ def default_run(tmp_path_factory):
     return result, only_run_dir(runs, "cartpole-ppo")
 
 
-@pytest.mark.learning
 def test_default_cartpole_ppo_reaches_475_within_100k_env_steps(default_run):
     result, run_dir = default_run
     assert result.returncode == 0, result.stdout + result.stderr
+    speedups = json.loads((run_dir / "manifest.json").read_text())["speedups"]
+    assert speedups["requested"] and {"lean_env_runner", "lean_learner"} <= set(speedups["active"]), speedups
     last = read_metrics(run_dir)[-1]
     assert last["return/mean"] >= 475, last
     assert last["env_steps"] <= 100_000, last
     assert "stopped: return/mean" in result.stdout
 
 
-@pytest.mark.learning
 def test_the_onnx_export_of_the_trained_policy_reaches_the_same_100_episode_return(default_run, tmp_path):
     result, run_dir = default_run
     assert result.returncode == 0, result.stdout + result.stderr
@@ -43,14 +47,3 @@ def test_the_onnx_export_of_the_trained_policy_reaches_the_same_100_episode_retu
     assert returns["onnx"] == returns["checkpoint"]
     assert sum(returns["onnx"]) / 100 >= 400  # greedy, the trained policy nearly always balances to the end
 
-
-@pytest.mark.learning
-def test_plain_rllib_with_the_speedups_off_learns_to_the_same_target(runs):
-    result = run_cli("train", "--runs-dir", runs, "--set", "speedups=false", timeout=900)
-    assert result.returncode == 0, result.stdout + result.stderr
-    run_dir = only_run_dir(runs, "cartpole-ppo")
-    manifest = json.loads((run_dir / "manifest.json").read_text())
-    assert manifest["speedups"]["active"] == []
-    last = read_metrics(run_dir)[-1]
-    assert last["return/mean"] >= 475, last
-    assert last["env_steps"] <= 100_000, last

@@ -7,11 +7,8 @@ import json
 import statistics
 
 from conftest import read_metrics
-from rlplatform.run.metrics import RETURN_WINDOW, EpisodeWindow, RunLogger, scalars
 
-
-def test_the_window_is_the_last_100_episodes():
-    assert RETURN_WINDOW == 100
+from rlplatform.run.metrics import EpisodeWindow, RunLogger, scalars
 
 
 def test_an_empty_window_reports_only_the_count():

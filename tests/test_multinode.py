@@ -17,7 +17,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import run_cli
 from multinode import ROOT, RayNode, read_metrics, wait_for_nodes
 

@@ -30,8 +30,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from multinode import RAY, ROOT, alive, alive_nodes, free_port, read_metrics, token_env
+
 from rlplatform.infra.loopback import CLUSTER_RAY_ENV, node_process
 
 SSHD = shutil.which("sshd") or "/usr/sbin/sshd"

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import psutil
 import pytest
-
 from conftest import ROOT, assert_user_error, only_run_dir, read_metrics, run_cli
+
 from rlplatform.run.checkpoints import list_checkpoints, verify
 
 pytestmark = pytest.mark.slow

@@ -2,9 +2,9 @@
 
 import pytest
 
+from rlplatform.config.experiment import resolve_experiment
 from rlplatform.config.sizing import Resources, preflight, size_to_cluster
 from rlplatform.errors import UserError
-from rlplatform.config.experiment import resolve_experiment
 
 
 def sized(cpus: float, gpus: float, overrides=()):

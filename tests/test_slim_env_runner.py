@@ -3,6 +3,7 @@
 Real RLlib modules and real remote runners built as training builds them; no mocks.
 """
 
+import json
 import sys
 
 import gymnasium as gym
@@ -10,14 +11,15 @@ import numpy as np
 import pytest
 import ray
 import torch
-
 from conftest import ROOT
+
+from rlplatform import internals
 from rlplatform.adapter.algorithm_config import build_algorithm_config
 from rlplatform.adapter.env_runners import remote_env_runners
 from rlplatform.config.experiment import resolve_experiment
 from rlplatform.config.sizing import Resources
-from rlplatform.infra.local_ray import connect as connect_ray, shutdown as shutdown_ray
-from rlplatform import internals
+from rlplatform.infra.local_ray import connect as connect_ray
+from rlplatform.infra.local_ray import shutdown as shutdown_ray
 
 CARTPOLE = ("cartpole_ppo",)
 PENDULUM = ("cartpole_ppo", "env=Pendulum-v1", "model.vf_share_layers=false", "model.head_hidden=[16]", "model.activation=relu")
@@ -104,6 +106,45 @@ def test_what_keeps_torch():
     assert not internals.numpy_policy_applies(experiment("cartpole_ppo", "scale.env_runners=0"))
 
 
+IN_A_FRESH_PROCESS = """
+import json, os, pickle, sys
+with open(sys.argv[1], "rb") as f:
+    algo_config = pickle.load(f)  # as a remote runner gets it: RLlib and this project load while it unpickles
+from ray.rllib.env import single_agent_env_runner
+from rlplatform.internals.slim_env_runner import SlimEnvRunner, _cpu_device
+runner = SlimEnvRunner(config=algo_config, worker_index=1, num_workers=2)
+steps = sum(e.env_steps() for e in runner.sample(num_timesteps=40))
+print(json.dumps({"torch": "torch" in sys.modules, "module": type(runner.module).__name__, "steps": steps,
+                  "get_device_patched": single_agent_env_runner.get_device is _cpu_device}))
+"""
+
+
+@pytest.mark.slow  # two Python processes that import RLlib (no Ray)
+def test_the_torch_free_runner_patches_its_process_only_where_the_hook_is_set(tmp_path):
+    """No Ray: a runner process given RLlib's no-torch hook (what `install_in_torch_free_worker` sets in a fresh
+    worker creating a SlimEnvRunner) builds the runner with RLlib's `get_device` replaced and without torch;
+    a process without the hook builds the same class with torch and RLlib's `get_device` untouched."""
+    import os
+    import subprocess
+
+    import ray.cloudpickle
+
+    from rlplatform.internals.slim_env_runner import NO_TORCH_FLAG
+
+    config_file = tmp_path / "algo_config.pkl"
+    config_file.write_bytes(ray.cloudpickle.dumps(build_algorithm_config(experiment("cartpole_ppo", "scale.env_runners=2"))))
+    facts = {}
+    for hook in (True, False):
+        env = {k: v for k, v in os.environ.items() if k != NO_TORCH_FLAG}
+        env.update({NO_TORCH_FLAG: "1"} if hook else {})
+        result = subprocess.run([sys.executable, "-c", IN_A_FRESH_PROCESS, str(config_file)], cwd=ROOT, env=env,
+                                capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+        facts[hook] = json.loads(result.stdout.strip().splitlines()[-1])
+    assert facts[True] == {"torch": False, "module": "NumpyPolicy", "steps": 40, "get_device_patched": True}
+    assert facts[False] == {"torch": True, "module": "DefaultPPOTorchRLModule", "steps": 40, "get_device_patched": False}
+
+
 @pytest.fixture(scope="module")
 def local_ray():
     connect_ray(None, Resources(2, 0, [{"CPU": 2, "GPU": 0}]))
@@ -117,7 +158,13 @@ _cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the functions be
 
 
 def _remote_facts(runner):
-    return "torch" in sys.modules, type(runner.module).__name__
+    """Torch loaded, the module's class, and the two patches of a torch-free runner's process (the hook, get_device)."""
+    import os
+
+    from ray.rllib.env import single_agent_env_runner
+
+    return ("torch" in sys.modules, type(runner.module).__name__, os.environ.get("RLLIB_TEST_NO_TORCH_IMPORT"),
+            single_agent_env_runner.get_device.__module__)
 
 
 def _greedy(runner, obs):
@@ -135,7 +182,8 @@ def test_remote_runners_sample_without_torch_and_take_synced_weights(local_ray):
     config = experiment("cartpole_ppo", "scale.env_runners=2", "scale.envs_per_runner=2")
     runners = remote_env_runners(config, 2, num_cpus=0)
     try:
-        assert ray.get([r.apply.remote(_remote_facts) for r in runners]) == [(False, "NumpyPolicy")] * 2
+        slim = (False, "NumpyPolicy", "1", "rlplatform.internals.slim_env_runner")
+        assert ray.get([r.apply.remote(_remote_facts) for r in runners]) == [slim] * 2
         remote_eps = ray.get(runners[0].sample.remote(num_timesteps=100), timeout=120)
         local_eps = LeanEnvRunner(config=build_algorithm_config(config), worker_index=1, num_workers=2).sample(num_timesteps=100)
         for remote_ep, local_ep in zip(remote_eps, local_eps):
@@ -165,7 +213,8 @@ def test_an_ineligible_experiment_samples_remotely_with_torch(local_ray):
     config = experiment("cartpole_ppo", "model.use_lstm=true", "scale.env_runners=1")
     (runner,) = remote_env_runners(config, 1, num_cpus=0)
     try:
-        assert ray.get(runner.apply.remote(_remote_facts))[0] is True
+        torch_loaded, _, hook, get_device_module = ray.get(runner.apply.remote(_remote_facts))
+        assert torch_loaded and hook is None and get_device_module == "ray.rllib.utils.framework"  # nothing patched
         episodes = ray.get(runner.sample.remote(num_timesteps=50), timeout=180)
         assert sum(e.env_steps() for e in episodes) >= 50
     finally:

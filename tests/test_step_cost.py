@@ -2,12 +2,12 @@
 (`rlplatform/config/step_cost.py`). The unit tests build real envs and plans; none starts Ray."""
 
 import json
-import time
+from types import SimpleNamespace
 
 import pytest
 import yaml
-
 from conftest import only_run_dir, run_cli
+
 from rlplatform.config import layouts, step_cost
 from rlplatform.config.experiment import resolve_experiment
 from rlplatform.config.sizing import Resources
@@ -33,16 +33,50 @@ def plan_for(path, overrides=(), profile=None):
     return make_plan(resolve_experiment(path, list(overrides), profile), TWO_CORES, joined_cluster=False, resize=True)
 
 
-def test_a_cheap_step_is_measured_cheap_and_a_waiting_one_in_wall_time_all_well_under_a_second():
-    start = time.perf_counter()
+def counting_steps(monkeypatch) -> list[int]:
+    """Counts the steps of each env that the measurement builds (the real env, observed, not replaced)."""
+    from rlplatform.config import env_ids
+
+    counts, make_env = [], env_ids.make_env
+
+    def make_and_count(env_id, /, **kwargs):
+        env = make_env(env_id, **kwargs)
+        counts.append(0)
+        step, index = env.step, len(counts) - 1
+
+        def counted(action):
+            counts[index] += 1
+            return step(action)
+
+        env.step = counted
+        return env
+
+    monkeypatch.setattr(env_ids, "make_env", make_and_count)
+    return counts
+
+
+def test_a_waiting_or_working_step_is_measured_costlier_than_a_cheap_one_in_wall_time(monkeypatch):
+    """Timing-free: only lower bounds (a step that sleeps 40 ms lasts at least 40 ms however loaded the
+    machine), and the cheap env against the costly ones of the same machine."""
+    steps = counting_steps(monkeypatch)
     cartpole = step_cost.measure_step_cost("CartPole-v1", {})
     waiting = step_cost.measure_step_cost("rlplatform/CostlySim-v0", {"wait_ms": 40.0})
-    assert time.perf_counter() - start < 1.0
-    assert 0 < cartpole < 100e-6  # ~5-10 us here
-    assert 40e-3 <= waiting < 80e-3  # the sleep counts: a runner waits as long
-    assert step_cost.envs_for_step_cost(cartpole) == step_cost.MAX_ENVS
-    assert step_cost.envs_for_step_cost(waiting) == 1
-    assert step_cost.envs_for_step_cost(step_cost.measure_step_cost("rlplatform/CostlySim-v0", {"work_ms": 5.0})) == 1
+    working = step_cost.measure_step_cost("rlplatform/CostlySim-v0", {"work_ms": 5.0})
+    assert 0 < cartpole < working and cartpole < waiting
+    assert waiting >= 40e-3  # the sleep counts: a runner waits as long
+    assert working >= 5e-3  # CostlySim burns 5 ms of its thread's CPU time, so at least 5 ms of wall time
+    assert step_cost.envs_for_step_cost(waiting) == step_cost.envs_for_step_cost(working) == 1
+    assert step_cost.envs_for_step_cost(cartpole) >= step_cost.envs_for_step_cost(working)
+    # The measurement stops at MEASURE_STEPS or after MEASURE_SECONDS, whichever comes first: CartPole takes
+    # at most the steps (and the warm-up), the 40 ms env no more than fit into the time (fewer when loaded).
+    most_in_time = step_cost.WARMUP_STEPS + step_cost.MEASURE_SECONDS / 40e-3 + 1
+    assert steps[0] <= step_cost.WARMUP_STEPS + step_cost.MEASURE_STEPS
+    assert 1 <= steps[1] <= most_in_time < step_cost.MEASURE_STEPS
+
+
+def test_an_env_that_cannot_be_built_or_stepped_is_measured_as_none():
+    assert step_cost.measure_step_cost("rlplatform/CostlySim-v0", {"work_ms": -1.0}) is None
+    assert step_cost.measure_step_cost("NoSuchEnv-v0", {}) is None
 
 
 def test_the_rule_gives_a_power_of_two_within_the_batch_bound():
@@ -51,16 +85,49 @@ def test_the_rule_gives_a_power_of_two_within_the_batch_bound():
     assert step_cost.envs_for_step_cost(5e-6, batch_bound=0) == 1
 
 
-def test_appo_cartpole_without_scale_gets_8_envs_from_the_measurement(tmp_path):
+@pytest.fixture
+def measured(monkeypatch) -> list[float]:
+    """The step costs that plans measured, observed on their way from the real measurement to the rule."""
+    seen, apply = [], step_cost.apply_step_cost
+
+    def measure(env, env_config):
+        seen.append(step_cost.measure_step_cost(env, env_config))
+        return seen[-1]
+
+    monkeypatch.setattr(step_cost, "apply_step_cost", lambda *a, **kw: apply(*a, **kw, measure=measure))
+    return seen
+
+
+@pytest.fixture
+def costs(monkeypatch):
+    """Plans sized from a given step cost instead of this machine's measurement: `costs.set(seconds)`."""
+    given, apply = SimpleNamespace(cost=None), step_cost.apply_step_cost
+    monkeypatch.setattr(step_cost, "apply_step_cost", lambda *a, **kw: apply(*a, **kw, measure=lambda env, cfg: given.cost))
+    given.set = lambda cost: setattr(given, "cost", cost)
+    return given
+
+
+def test_appo_cartpole_without_scale_gets_its_envs_from_the_measurement(tmp_path, measured):
     plan = plan_for(experiment(tmp_path))
-    # one runner beside the learner on 2 cores; APPO's batch of 500 / 50-step fragments bounds the 64 to 8
-    assert (plan.config.scale.env_runners, plan.config.scale.envs_per_runner) == (1, 8)
+    (cost,) = measured  # measured on this machine, at plan time: whatever it is, the rule maps it
+    assert plan.config.scale.env_runners == 1  # one runner beside the learner on 2 cores
+    envs = step_cost.envs_for_step_cost(cost, batch_bound=8)  # APPO's batch of 500 / 50-step fragments: at most 8
+    assert plan.config.scale.envs_per_runner == plan.envs_choice["envs_per_runner"] == envs
     assert plan.envs_choice["source"] == "step-cost measurement at start-up"
-    assert plan.envs_choice["envs_per_runner"] == 8 and 0 < plan.envs_choice["step_cost_us"] < 100
-    assert plan.envs_note.startswith("envs per runner: 8 (step-cost measurement at start-up: ")
+    assert plan.envs_choice["step_cost_us"] == round(cost * 1e6, 2)
+    assert plan.envs_note.startswith(f"envs per runner: {envs} (step-cost measurement at start-up: ")
 
 
-def test_ppo_batch_bounds_the_envs(tmp_path):
+def test_appo_cartpole_at_its_usual_step_cost_gets_the_8_of_its_batch(tmp_path, costs):
+    costs.set(10e-6)  # CartPole's step: 5-30 us on the machines seen so far
+    plan = plan_for(experiment(tmp_path))
+    assert (plan.config.scale.env_runners, plan.config.scale.envs_per_runner) == (1, 8)
+    assert plan.envs_choice == {"envs_per_runner": 8, "source": "step-cost measurement at start-up", "step_cost_us": 10.0}
+    assert plan.envs_note.startswith("envs per runner: 8 (step-cost measurement at start-up: 10.0 us")
+
+
+def test_ppo_batch_bounds_the_envs(tmp_path, costs):
+    costs.set(5e-6)  # cheap enough for the cap of 64
     big = plan_for(experiment(tmp_path, algorithm="PPO"))  # RLlib's default batch of 4000: the cap
     assert (big.config.scale.env_runners, big.config.scale.envs_per_runner) == (0, 64)
     small = plan_for(experiment(tmp_path, algorithm="PPO", training={"train_batch_size_per_learner": 1000}))
@@ -71,13 +138,15 @@ def test_ppo_batch_bounds_the_envs(tmp_path):
     assert fragment.config.scale.envs_per_runner == 1 and fragment.envs_choice["source"] == "default"
 
 
-def test_an_asynchronous_algorithms_own_fragment_bounds_the_envs(tmp_path):
+def test_an_asynchronous_algorithms_own_fragment_bounds_the_envs(tmp_path, costs):
+    costs.set(5e-6)
     plan = plan_for(experiment(tmp_path, scale={"rollout_fragment_length": 100}))
     assert plan.config.scale.envs_per_runner == 4  # APPO's batch of 500 / 100 = 5 -> 4
 
 
-def test_an_expensive_env_gets_one_env_and_says_so(tmp_path):
+def test_an_expensive_env_gets_one_env_and_says_so(tmp_path, measured):
     plan = plan_for(experiment(tmp_path, env="rlplatform/CostlySim-v0", env_config={"wait_ms": 20.0}))
+    assert measured[0] >= 20e-3  # the real measurement: a 20 ms sleep lasts at least 20 ms
     assert plan.config.scale.envs_per_runner == 1
     assert plan.envs_choice["source"] == "step-cost measurement at start-up" and plan.envs_choice["step_cost_us"] >= 20_000
 
@@ -125,12 +194,14 @@ def test_train_records_the_measured_choice_and_keeps_an_explicit_one(tmp_path):
     measured = run_cli("train", path, "--profile", "auto", "--runs-dir", runs, "--set", "name=measured", *quick, env=env,
                        timeout=300)
     assert measured.returncode == 0, measured.stdout + measured.stderr
-    assert "envs per runner: 8 (step-cost measurement at start-up: " in measured.stdout
     run_dir = only_run_dir(runs, "measured")
     choice = json.loads((run_dir / "manifest.json").read_text())["envs_per_runner"]
-    assert choice["envs_per_runner"] == 8 and choice["source"] == "step-cost measurement at start-up"
-    assert 0 < choice["step_cost_us"] < 100
-    assert yaml.safe_load((run_dir / "config.yaml").read_text())["scale"]["envs_per_runner"] == 8
+    assert choice["source"] == "step-cost measurement at start-up" and choice["step_cost_us"] > 0
+    # whatever this machine measured, the rule sized the run from it (at most APPO's 8 of its batch)
+    envs = step_cost.envs_for_step_cost(choice["step_cost_us"] * 1e-6, batch_bound=8)
+    assert choice["envs_per_runner"] == envs
+    assert f"envs per runner: {envs} (step-cost measurement at start-up: " in measured.stdout
+    assert yaml.safe_load((run_dir / "config.yaml").read_text())["scale"]["envs_per_runner"] == envs
 
     kept = run_cli("train", path, "--profile", "auto", "--runs-dir", runs, "--set", "name=kept",
                    "--set", "scale.envs_per_runner=3", *quick, env=env, timeout=300)

@@ -55,8 +55,9 @@ def test_the_object_store_figure_is_dropped_alone_when_its_reading_fails(monkeyp
             figures = monitor.sample()
             assert "ray/object_store_used_gb" in figures  # ray_stats' internal reading works on this Ray
             assert any(k.endswith("/cpu_percent") for k in figures), figures
-            import numpy as np
             import time
+
+            import numpy as np
 
             block = ray.put(np.ones(4 * 2**20, dtype=np.uint8))  # 4 MiB: stored in the object store, not inlined
             time.sleep(0.6)

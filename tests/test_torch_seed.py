@@ -5,7 +5,10 @@ import json
 import subprocess
 import sys
 
+import pytest
 from conftest import ROOT
+
+pytestmark = pytest.mark.slow  # two Python processes that import RLlib and torch's compiler (9-15 s on 2 cores)
 
 SEED_THEN_REPORT = """
 import json, sys, torch

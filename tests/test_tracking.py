@@ -15,7 +15,6 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT, free_port, only_run_dir, read_metrics, run_cli
 
 TWO_ITERATIONS = ["--set", "stop.iterations=2", "--set", "stop.env_steps=null", "--set", "stop.return_mean=null",

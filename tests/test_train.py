@@ -4,13 +4,12 @@ resume, Ctrl-C, evaluate with video. The algorithm runs share one Ray head per m
 import json
 import shlex
 import signal
-import subprocess
 import statistics
+import subprocess
 import sys
 import time
 
 import pytest
-
 from conftest import ROOT, only_run_dir, read_metrics, run_cli
 
 pytestmark = pytest.mark.slow  # every test trains, on the module's Ray head or a private local instance
@@ -58,28 +57,22 @@ def test_two_iterations_with_remote_runners(algorithm, ray_head, runs):
     assert checkpoints == ["checkpoint_000001", "checkpoint_000002"]
 
 
-def test_wall_time_counts_from_this_command_not_the_shell_that_execd_it(ray_head, runs):
-    """`bash -c '... && python -m rlplatform train'` gives the shell's process to train: the shell's
-    time must count neither in the start-up figures nor towards `stop.wall_time_s`."""
+def test_resume_continues_counters_and_wall_time_in_the_same_run(ray_head, runs):
+    """The first session is started as `bash -c 'sleep 6 && exec python -m rlplatform train ...'` starts it: a
+    shell's process handed to train, whose time must count neither in the start-up figures nor towards
+    `stop.wall_time_s` (tests/test_loop.py checks `command_start_time` itself, without training)."""
     shell_s = 6
     command = [sys.executable, "-m", "rlplatform", "train", "--address", ray_head.address, "--runs-dir", str(runs),
-               "--set", "name=execd", *TINY, *ALGORITHMS["PPO"], "--set", "stop.iterations=1"]
+               "--set", "name=resume", *TINY, "--set", "training.train_batch_size_per_learner=500"]
     started = time.time()
-    result = subprocess.run(["bash", "-c", f"sleep {shell_s} && exec {shlex.join(command)}"], cwd=ROOT,
-                            capture_output=True, text=True, timeout=300)
-    command_s = time.time() - started - shell_s
-    assert result.returncode == 0, result.stdout + result.stderr
-    run_dir = only_run_dir(runs, "execd")
-    (row,) = read_metrics(run_dir)
-    assert 0 < row["wall_time_s"] <= command_s
-    assert 0 < json.loads((run_dir / "manifest.json").read_text())["startup"]["ray_ready_s"] < command_s
-
-
-def test_resume_continues_counters_in_the_same_run(ray_head, runs):
-    first = run_cli("train", "--address", ray_head.address, "--runs-dir", runs, "--set", "name=resume", *TINY,
-                    "--set", "training.train_batch_size_per_learner=500", timeout=300)
+    first = subprocess.run(["bash", "-c", f"sleep {shell_s} && exec {shlex.join(command)}"], cwd=ROOT,
+                           capture_output=True, text=True, timeout=300)
+    command_s = time.time() - started - shell_s  # at most the command's own time: the sleep may have lasted longer
     assert first.returncode == 0, first.stdout + first.stderr
     run_dir = only_run_dir(runs, "resume")
+    assert 0 < read_metrics(run_dir)[-1]["wall_time_s"] <= command_s
+    assert 0 < json.loads((run_dir / "manifest.json").read_text())["startup"]["ray_ready_s"] < command_s
+
     second = run_cli("train", "--address", ray_head.address, "--resume", run_dir, "--set", "stop.iterations=4", timeout=300)
     assert second.returncode == 0, second.stdout + second.stderr
     assert only_run_dir(runs, "resume") == run_dir
@@ -87,6 +80,7 @@ def test_resume_continues_counters_in_the_same_run(ray_head, runs):
     assert [r["iteration"] for r in rows] == [1, 2, 3, 4]
     steps = [r["env_steps"] for r in rows]
     assert steps == sorted(steps) and steps[2] > steps[1]
+    assert rows[2]["wall_time_s"] > rows[1]["wall_time_s"]  # the wall time goes on from the checkpoint's
     assert rows[2]["episodes/total"] > rows[1]["episodes/total"]  # the episode window came back too
     assert len(list(run_dir.glob("events.out.tfevents.*"))) == 2  # both sessions log into the same run
     manifest = json.loads((run_dir / "manifest.json").read_text())
@@ -121,7 +115,7 @@ def test_ctrl_c_checkpoints_and_exits_0_then_evaluate_records_video(runs, tmp_pa
     # --profile auto sized the run for this machine: on 2 cores without a GPU it samples and learns in one
     # process, the driver holding the Algorithm; with more cores or a GPU, remote env runners and an actor.
     from rlplatform.config.experiment import resolve_experiment
-    from rlplatform.config.sizing import local_resources
+    from rlplatform.infra.local_ray import local_resources
     from rlplatform.run.plan import make_plan
 
     resolved = resolve_experiment(ROOT / "experiments" / "cartpole_ppo.yaml", overrides)

@@ -127,8 +127,8 @@ def test_submit_tune_needs_a_search_section(tmp_path):
 @pytest.fixture(scope="module")
 def shared_ray():
     """One private Ray instance for the module's sweeps (the `tune` command uses a Ray this process runs)."""
-    from rlplatform.config.sizing import local_resources
     from rlplatform.infra import local_ray
+    from rlplatform.infra.local_ray import local_resources
 
     local_ray.connect(None, local_resources(), speedups=True)
     yield

@@ -75,7 +75,7 @@ def _training_defaults(algorithm: str) -> dict[str, tuple[Optional[type], bool]]
             for p in inspect.signature(fn).parameters.values():
                 if p.kind is p.KEYWORD_ONLY:
                     annotations.setdefault(p.name, p.annotation)
-    typed = {}
+    typed: dict[str, tuple[Optional[type], bool]] = {}
     for name, annotation in annotations.items():
         default = getattr(defaults, name, None)
         if annotation is inspect.Parameter.empty or type(default) not in _TYPE_NAMES:
@@ -131,6 +131,16 @@ def _custom_connectors(config: ExperimentConfig) -> bool:
 
 def _training_kwargs(config: ExperimentConfig) -> dict[str, Any]:
     return {_TRAINING_ALIASES.get(k, k): v for k, v in config.training.items()}
+
+
+def total_train_batch(config: ExperimentConfig) -> Optional[int]:
+    """RLlib's total train batch (all learners) for this experiment; None when RLlib refuses the training section."""
+    try:
+        algo = config_class(config.algorithm)().training(**_training_kwargs(config)).learners(
+            num_learners=config.scale.learners)
+        return int(algo.total_train_batch_size)
+    except Exception:  # the plan's check reports the refusal itself
+        return None
 
 
 def check(config: ExperimentConfig) -> str:
@@ -193,6 +203,7 @@ def _multi_agent(algo_config, config: ExperimentConfig) -> None:
     from ray.rllib.core.rl_module.rl_module import RLModuleSpec
 
     ma = config.multi_agent
+    assert ma is not None  # the caller checks
     algo_config.multi_agent(
         policies=set(ma.policies),
         policy_mapping_fn=PolicyMapping(ma.mapping),

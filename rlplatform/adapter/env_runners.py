@@ -46,3 +46,10 @@ def sample_in_remote_env_runner(config: ExperimentConfig, num_timesteps: int = 5
     finally:
         ray.kill(runner)
     return {"episodes": len(episodes), "env_steps": sum(e.env_steps() for e in episodes), "node_id": node}
+
+
+def check_multi_agent_env(env: Any) -> None:
+    """RLlib's own checks of a multi-agent env (spaces, agent ids, step and reset returns); raises on a problem."""
+    from ray.rllib.utils.pre_checks.env import check_multiagent_environments
+
+    check_multiagent_environments(env)

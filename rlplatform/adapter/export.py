@@ -161,7 +161,9 @@ def _torch_dtype(dtype) -> torch.dtype:
 def _distribution_kind(module, algorithm: str, stochastic: bool) -> str:
     """Which action distribution the module's outputs parameterise; refuses what the export cannot express."""
     from ray.rllib.core.distribution.torch.torch_distribution import (
-        TorchCategorical, TorchDiagGaussian, TorchSquashedGaussian,
+        TorchCategorical,
+        TorchDiagGaussian,
+        TorchSquashedGaussian,
     )
 
     if algorithm == "DQN":

@@ -49,7 +49,7 @@ def as_module_input(obs):
     return obs.float() if obs.is_floating_point() and obs.dtype != torch.float16 else obs
 
 
-def greedy_actions(module, observations, state=None):
+def greedy_actions(module: Any, observations: Any, state: Any = None) -> tuple[Any, Any]:
     """Deterministic actions for a batch of observations (and the next RNN state, if any)."""
     import numpy as np
     import torch

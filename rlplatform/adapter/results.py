@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from numbers import Number
-from typing import Any, Optional
+from typing import Any, Optional, SupportsFloat, cast
 
 from rlplatform.adapter.algorithm_config import EPISODE_LENGTHS, EPISODE_RETURNS
 from rlplatform.internals import WEIGHTS_APPLY_S
@@ -21,7 +21,7 @@ _LEARNER_SKIP_PREFIXES = ("num_", "weights_seq_no", "diff_num_grad_updates", "mo
 
 def _number(value: Any) -> Optional[float]:
     if isinstance(value, Number) and not isinstance(value, bool):
-        value = float(value)
+        value = float(cast(SupportsFloat, value))  # typeshed's Number declares no __float__
         return value if math.isfinite(value) else None
     try:  # numpy scalars and 0-d tensors
         return _number(value.item())

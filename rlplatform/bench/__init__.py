@@ -10,8 +10,10 @@
 
 from __future__ import annotations
 
+from typing import Any
 
-def add_parser(subparsers) -> None:
+
+def add_parser(subparsers: Any) -> None:  # argparse's sub-parsers action
     from rlplatform.bench import gpu, learner, scale, soak, solve, throughput
 
     p = subparsers.add_parser("bench", help="benchmarks: sampling throughput, time to solve, memory soak, learner updates, GPU learner, scale")

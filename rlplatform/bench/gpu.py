@@ -17,9 +17,15 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from rlplatform.run import progress
+from rlplatform import console
 from rlplatform.bench.training_runs import (
-    add_training_arguments, bench_dir, check_experiment, median, run_training, wall_clock_only, write_json,
+    add_training_arguments,
+    bench_dir,
+    check_experiment,
+    median,
+    run_training,
+    wall_clock_only,
+    write_json,
 )
 from rlplatform.errors import TrainingFailed, UserError
 
@@ -27,28 +33,27 @@ PRESET = Path("experiments/pong_appo.yaml")
 PROFILE = "workstation-1gpu"
 
 
-def add_verb(verbs) -> None:
+def add_verb(verbs: Any) -> None:  # argparse's sub-parsers action
     q = verbs.add_parser("gpu", help=f"GPU learner throughput and utilisation: {PRESET.stem} on the {PROFILE} profile")
-    add_training_arguments(q, default_experiment=str(PRESET))
+    add_training_arguments(q, default_experiment=str(PRESET), default_profile=PROFILE)
     q.add_argument("--minutes", type=float, default=5.0, help="how long to train (default: 5)")
     q.add_argument("--warmup-minutes", type=float, default=1.0, help="iterations before this are left out (default: 1)")
     q.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from rlplatform.config.sizing import local_resources
+    from rlplatform.infra.local_ray import local_resources
 
     if args.minutes <= 0 or not 0 <= args.warmup_minutes < args.minutes:
         raise UserError("--minutes must be > 0 and --warmup-minutes between 0 and --minutes")
     args.experiment = args.experiment or _preset_path()
-    args.profile = args.profile or PROFILE
     config = check_experiment(args)
     wants_gpu = config.profile != "auto" and config.hardware.gpus_per_learner > 0  # auto takes a GPU where there is one
     if wants_gpu and not args.address and local_resources().gpus < 1:
         raise UserError("bench gpu needs a GPU: torch sees no CUDA device on this machine (give --address for a GPU "
                         "cluster, or --profile laptop to measure the same learner on the CPU)")
     root = bench_dir(args.output, "gpu", config.name)
-    progress.say(f"bench gpu: training {config.name} ({args.profile}) for {args.minutes:g} min")
+    console.say(f"bench gpu: training {config.name} ({args.profile}) for {args.minutes:g} min")
     run_ = run_training(args, root / "run", wall_clock_only(args.minutes), timeout_s=60 * args.minutes + 600)
     if run_.returncode != 0:
         raise TrainingFailed(run_.failure())
@@ -56,11 +61,11 @@ def run(args: argparse.Namespace) -> int:
     result = {"experiment": config.name, "profile": args.profile, "minutes": args.minutes, "layout": run_.layout,
               "learner_device": learner_device(run_.config), **summary, "run_dir": str(run_.run_dir)}
     path = write_json(root / "gpu.json", result)
-    progress.say(
-        f"learner on the {result['learner_device']}: {progress.fmt(summary['env_steps_trained_per_s'], ',.0f')} env steps trained/s, "
-        f"sampling {progress.fmt(summary['env_steps_sampled_per_s'], ',.0f')}/s ({result['layout']}), GPU utilisation "
-        f"{progress.fmt(summary['gpu_util_percent'], ',.0f')} % (medians over {summary['iterations_measured']} iterations after warm-up)")
-    progress.say(f"written: {path}")
+    console.say(
+        f"learner on the {result['learner_device']}: {console.fmt(summary['env_steps_trained_per_s'], ',.0f')} env steps trained/s, "
+        f"sampling {console.fmt(summary['env_steps_sampled_per_s'], ',.0f')}/s ({result['layout']}), GPU utilisation "
+        f"{console.fmt(summary['gpu_util_percent'], ',.0f')} % (medians over {summary['iterations_measured']} iterations after warm-up)")
+    console.say(f"written: {path}")
     return 0
 
 

@@ -21,14 +21,14 @@ import copy
 import time
 from typing import Any, Callable
 
+from rlplatform import console
 from rlplatform.bench.training_runs import bench_dir, check_experiment, write_json
 from rlplatform.errors import UserError
-from rlplatform.run import progress
 
 ALGORITHMS = ("DQN", "SAC")
 
 
-def add_verb(verbs) -> None:
+def add_verb(verbs: Any) -> None:  # argparse's sub-parsers action
     from pathlib import Path
 
     q = verbs.add_parser("learner", help="DQN/SAC learner updates per second: lean, RLlib's and plain torch")
@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
     bench = LearnerBench(config, device)
     rows = bench.measure(args.ways, args.warmup, args.seconds, args.rounds)
     for r in rows:
-        progress.say(f"{r['way']}: {r['updates_per_s']:.1f} updates/s ({r['ms_per_update']:.2f} ms each)")
+        console.say(f"{r['way']}: {r['updates_per_s']:.1f} updates/s ({r['ms_per_update']:.2f} ms each)")
     limit = next((r["updates_per_s"] for r in rows if r["way"] == "torch"), None)
     for r in rows:
         r["of_plain_torch"] = r["updates_per_s"] / limit if limit else None
@@ -77,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
               "hidden": list(config.model.hidden), "overrides": args.overrides, "results": rows}
     path = write_json(bench_dir(args.output, "learner", config.name) / "learner.json", result)
     _print_table(result)
-    progress.say(f"written: {path}")
+    console.say(f"written: {path}")
     return 0
 
 
@@ -104,7 +104,7 @@ class LearnerBench:
         """Each way warmed up, then the ways in turn, `rounds` times, `seconds / rounds` each."""
         steps = {way: getattr(self, f"_{way}_step")() for way in ways}
         for way, (step, per_call) in steps.items():
-            progress.say(f"{way}: warming up ...")
+            console.say(f"{way}: warming up ...")
             for _ in range(max(1, warmup // per_call)):
                 step()
         updates, elapsed = dict.fromkeys(ways, 0), dict.fromkeys(ways, 0.0)
@@ -127,9 +127,9 @@ class LearnerBench:
             torch.cuda.synchronize()
 
     def _flat_buffer(self):
-        from rlplatform.internals.flat_replay_buffer import FlatReplayBuffer
+        from rlplatform.adapter import speedups
 
-        buffer = FlatReplayBuffer(100_000, gamma=self.lean_config.gamma, n_step=self.lean_config.n_step, seed=0)
+        buffer = speedups.flat_replay_buffer(100_000, gamma=self.lean_config.gamma, n_step=self.lean_config.n_step, seed=0)
         buffer.add(self.episodes)
         return buffer
 
@@ -142,18 +142,14 @@ class LearnerBench:
         return learner
 
     def _lean_step(self) -> tuple[Callable[[], None], int]:
-        from ray.rllib.core import DEFAULT_MODULE_ID
-        from ray.rllib.policy.sample_batch import MultiAgentBatch, SampleBatch
-
-        from rlplatform.internals.lean_off_policy import _COLUMNS
+        from rlplatform.adapter import speedups
 
         learner, buffer = self._learner(self.lean_config), self._flat_buffer()
         timesteps = {"num_env_steps_sampled_lifetime": 10**6}
 
         def step() -> None:
             rows = buffer.sample(self.k * self.batch_size)
-            batch = MultiAgentBatch({DEFAULT_MODULE_ID: SampleBatch({_COLUMNS[k]: v for k, v in rows.items()})},
-                                    self.k * self.batch_size)
+            batch = speedups.flat_rows_to_batch(rows, self.k * self.batch_size)
             learner.update(batch=batch, minibatch_size=self.batch_size, timesteps=timesteps)
 
         return step, self.k
@@ -194,7 +190,8 @@ class LearnerBench:
 def _random_episodes(env, steps: int) -> list:
     from ray.rllib.env.single_agent_episode import SingleAgentEpisode
 
-    episodes, done = [], True
+    episodes: list[Any] = []
+    done = True
     for _ in range(steps):
         if done:
             obs, _ = env.reset(seed=len(episodes))
@@ -218,5 +215,5 @@ def _print_table(result: dict[str, Any]) -> None:
         table.add_column(column, justify="right")
     for r in result["results"]:
         table.add_row(r["way"], f"{r['updates_per_s']:.1f}", f"{r['ms_per_update']:.2f}",
-                      progress.fmt(r["of_plain_torch"] and 100 * r["of_plain_torch"], ".0f") + " %")
-    progress.console.print(table)
+                      console.fmt(r["of_plain_torch"] and 100 * r["of_plain_torch"], ".0f") + " %")
+    console.stdout.print(table)

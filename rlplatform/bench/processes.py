@@ -8,8 +8,26 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
-from rlplatform.errors import TrainingFailed
+from rlplatform.errors import TrainingFailed, UserError
 from rlplatform.infra.loopback import LoopbackCluster
+
+DEFAULT_NODE_CPUS = 2.0
+
+
+def add_node_arguments(q) -> None:
+    """`--nodes N` and `--node-cpus C`, one meaning in every benchmark that has them (checked by `check_nodes`)."""
+    q.add_argument("--nodes", type=int, default=0, metavar="N",
+                   help="run on a cluster of N Ray nodes on loopback addresses started for the benchmark: a head and N-1 "
+                        "workers, N >= 2 (default: 0, a private local instance)")
+    q.add_argument("--node-cpus", type=float, default=DEFAULT_NODE_CPUS, metavar="C",
+                   help=f"CPUs each loopback node offers (default: {DEFAULT_NODE_CPUS:g})")
+
+
+def check_nodes(args) -> None:
+    """`--nodes N`, one meaning in every benchmark: N nodes in all, the head included (0: none)."""
+    if args.nodes < 0 or args.nodes == 1 or args.node_cpus <= 0:
+        raise UserError("--nodes must be 0 (a private local instance) or 2 or more (a head and workers), and --node-cpus > 0")
+
 
 ROLES = {  # Ray's process title of an actor is "ray::<ClassName>[.method]"
     "AlgorithmHost": "algorithm + local learner",
@@ -32,6 +50,7 @@ RAY_SCRIPTS = {  # Ray's Python daemons of a node started by `ray start`, by the
 
 @contextlib.contextmanager
 def loopback_cluster(nodes: int, cpus: float) -> Iterator[Optional[LoopbackCluster]]:
+    """`nodes` Ray nodes in all (a head and nodes-1 workers), `cpus` each; None for 0 (a private local instance)."""
     if not nodes:
         yield None
         return

@@ -1,4 +1,4 @@
-"""`rlplatform bench scale [EXPERIMENT] --runners 1 2 4 8 16 32 [--nodes K] [--model small large]`: what
+"""`rlplatform bench scale [EXPERIMENT] --runners 1 2 4 8 16 32 [--nodes N] [--model small large]`: what
 coordinating many env runners costs.
 
 The env runners step `rlplatform/CostlySim-v0` with `wait_ms` of sleeping and no CPU work per step, like an
@@ -12,7 +12,8 @@ weight broadcast (the driver's part, and the slowest runner's applying them), th
 the bytes moved through Ray's object stores. From the processes, sampled every `--interval` seconds: CPU of
 the driver, the algorithm's process and all runners, and each runner's resident and private memory (USS:
 private clean + private dirty pages). From the run's manifest: when the first batch was sampled. With `--nodes
-K` the runners spread over K more Ray nodes on loopback addresses beside a head (`infra/loopback.py`).
+N` the runners spread over N Ray nodes on loopback addresses, a head and N-1 workers (`infra/loopback.py`), as
+`bench soak --nodes N` counts them.
 
 `bench scale --fit FILE [FILE ...]` fits the cost model (docs/scale.md) to the points of earlier runs and
 extrapolates it. Results: `<output>/scale-<name>-<time>/scale.json`, `scale.png`, and a table.
@@ -26,13 +27,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from rlplatform.bench.processes import loopback_cluster, run_processes, sample_processes
-from rlplatform.config.schema import ASYNCHRONOUS_ALGORITHMS
+from rlplatform import console
+from rlplatform.bench.processes import add_node_arguments, check_nodes, loopback_cluster, run_processes, sample_processes
 from rlplatform.bench.training_runs import (
-    add_training_arguments, bench_dir, finish, median, start, train_command, write_json,
+    add_training_arguments,
+    bench_dir,
+    finish,
+    median,
+    start,
+    train_command,
+    write_json,
 )
+from rlplatform.config.schema import ASYNCHRONOUS_ALGORITHMS
 from rlplatform.errors import UserError
-from rlplatform.run import progress
 
 DEFAULT_EXPERIMENT = Path("experiments/costly_sim_ppo.yaml")
 SCALE_ENV = "rlplatform/CostlySim-v0"
@@ -51,10 +58,10 @@ class Point:
         return f"{self.runners} runner(s), {self.model} model, fragment {self.fragment}"
 
 
-def add_verb(verbs) -> None:
+def add_verb(verbs: Any) -> None:  # argparse's sub-parsers action
     q = verbs.add_parser("scale", help="the coordination cost of many env runners (and nodes): throughput against the ideal, "
                                        "time split, broadcast, CPU, memory per runner; --fit: the cost model")
-    add_training_arguments(q, default_experiment=str(DEFAULT_EXPERIMENT))
+    add_training_arguments(q, default_experiment=str(DEFAULT_EXPERIMENT), address=False)  # the processes are read here
     q.add_argument("--runners", nargs="+", type=int, default=[1, 2, 4, 8, 16, 32], metavar="N",
                    help="env runner counts to measure (default: 1 2 4 8 16 32)")
     q.add_argument("--model", nargs="+", choices=("small", "large"), default=["small"],
@@ -67,9 +74,7 @@ def add_verb(verbs) -> None:
     q.add_argument("--runner-cpus", type=float,
                    help="CPUs reserved per runner (default: what lets the largest count fit beside the driver)")
     q.add_argument("--iterations", type=int, default=5, help="measured iterations per point, after one warm-up (default: 5)")
-    q.add_argument("--nodes", type=int, default=0, help="spread the runners over this many more Ray nodes on loopback "
-                                                        "addresses, beside a head (default: 0, a private local instance)")
-    q.add_argument("--node-cpus", type=float, help="CPUs each loopback node offers (default: this machine's)")
+    add_node_arguments(q)
     q.add_argument("--interval", type=float, default=2.0, help="seconds between CPU and memory samples (default: 2)")
     q.add_argument("--fit", nargs="+", type=Path, metavar="SCALE_JSON",
                    help="fit the cost model to the points of these scale.json files and extrapolate (no runs)")
@@ -88,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
     from rlplatform.config.experiment import resolve_experiment
 
     base = resolve_experiment(args.experiment, args.overrides, args.profile).config
-    nodes = [_node_cpus(args)] * (args.nodes + 1) if args.nodes else [float(_host_cpus())]  # head first
+    nodes = [args.node_cpus] * args.nodes if args.nodes else [float(_host_cpus())]  # head first
     total_cpus = sum(nodes)
     runner_cpus = args.runner_cpus or _runner_cpus(base, nodes, max(args.runners))
     points = [Point(n, m, f) for m in args.model for f in args.fragments for n in sorted(set(args.runners))]
@@ -97,15 +102,15 @@ def run(args: argparse.Namespace) -> int:
                                  args.profile).config)
     root = bench_dir(args.output, "scale", base.name)
     rows: list[dict[str, Any]] = []
-    with loopback_cluster(args.nodes + 1 if args.nodes else 0, _node_cpus(args)) as cluster:
+    with loopback_cluster(args.nodes, args.node_cpus) as cluster:
         if cluster is not None:
             args.address = cluster.address
-            progress.say(f"scale: {args.nodes} loopback node(s) beside a head at {cluster.address}, {_node_cpus(args):g} CPUs each")
+            console.say(f"scale: a cluster of {args.nodes} loopback nodes at {cluster.address}, {args.node_cpus:g} CPUs each")
         for point in points:
-            progress.say(f"scale: {point}, {runner_cpus:g} CPU each, {args.wait_ms:g} ms per env step ...")
+            console.say(f"scale: {point}, {runner_cpus:g} CPU each, {args.wait_ms:g} ms per env step ...")
             row = measure_point(args, base, point, runner_cpus, root / f"{point.model}-f{point.fragment}-r{point.runners}", cluster)
             rows.append(row)
-            progress.say(_row_line(row))
+            console.say(_row_line(row))
     result = {"experiment": base.name, "algorithm": base.algorithm, "env": SCALE_ENV, "wait_ms": args.wait_ms,
               "envs_per_runner": args.envs_per_runner, "runner_cpus": runner_cpus, "nodes": args.nodes,
               "cluster_cpus": total_cpus, "host_cpus": _host_cpus(), "iterations": args.iterations,
@@ -113,31 +118,24 @@ def run(args: argparse.Namespace) -> int:
     path = write_json(root / "scale.json", result)
     plot(result, root / "scale.png")
     print_table(result)
-    progress.say(f"written: {path}, {root / 'scale.png'}")
+    console.say(f"written: {path}, {root / 'scale.png'}")
     return 1 if any(r.get("error") for r in rows) else 0
 
 
 def _check_arguments(args: argparse.Namespace) -> None:
-    if args.address:
-        raise UserError("bench scale reads the processes of its runs on this machine; it does not take --address (use --nodes)")
     if any(n < 1 for n in args.runners) or any(f < 1 for f in args.fragments):
         raise UserError("--runners and --fragments take counts >= 1")
-    if args.wait_ms <= 0 or args.envs_per_runner < 1 or args.iterations < 1 or args.interval <= 0 or args.nodes < 0:
-        raise UserError("--wait-ms and --interval must be > 0, --envs-per-runner and --iterations >= 1, --nodes >= 0")
+    if args.wait_ms <= 0 or args.envs_per_runner < 1 or args.iterations < 1 or args.interval <= 0:
+        raise UserError("--wait-ms and --interval must be > 0, --envs-per-runner and --iterations >= 1")
     if args.runner_cpus is not None and not 0 < args.runner_cpus <= 64:
         raise UserError(f"--runner-cpus must be > 0, not {args.runner_cpus:g}")
-    if args.node_cpus is not None and args.node_cpus <= 0:
-        raise UserError("--node-cpus must be > 0")
+    check_nodes(args)
 
 
 def _host_cpus() -> int:
     import os
 
     return len(os.sched_getaffinity(0))
-
-
-def _node_cpus(args: argparse.Namespace) -> float:
-    return args.node_cpus or float(_host_cpus())
 
 
 def _runner_cpus(config, node_cpus: list[float], runners: int) -> float:
@@ -293,7 +291,8 @@ def print_table(result: dict[str, Any]) -> None:
     from rich.table import Table
 
     table = Table(title=f"bench scale: {result['algorithm']} on CostlySim, {result['wait_ms']:g} ms per step, "
-                        f"{result['envs_per_runner']} env(s) per runner, {result['nodes']} extra node(s)")
+                        f"{result['envs_per_runner']} env(s) per runner, "
+                        + (f"{result['nodes']} loopback nodes" if result["nodes"] else "a private local instance"))
     time_columns = ("runners", "model", "sampling steps/s", "of ideal", "training steps/s", "iteration s", "gather s",
                     "learn s", "weights: sync s", "apply s", "other s")
     for column in time_columns:
@@ -318,9 +317,9 @@ def print_table(result: dict[str, Any]) -> None:
                       _fmt(r.get("runner_rss_mb"), ".0f"), _fmt(r.get("runner_uss_mb"), ".0f"),
                       _fmt(r.get("startup_first_sample_s"), ".1f"))
     # Piped into a file, rich would squeeze the columns into 80 characters.
-    console = progress.console if progress.console.is_terminal else Console(highlight=False, width=150)
-    console.print(table)
-    console.print(usage)
+    out = console.stdout if console.stdout.is_terminal else Console(highlight=False, width=150)
+    out.print(table)
+    out.print(usage)
 
 
 def plot(result: dict[str, Any], path: Path) -> None:

@@ -24,9 +24,9 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
+from rlplatform import console
 from rlplatform.bench.training_runs import write_json
 from rlplatform.errors import UserError
-from rlplatform.run import progress
 
 TERMS = ("a: per iteration (s)", "b: per runner (s)", "c: per env step (s)", "d: per MB per runner (s)")
 EXTRAPOLATE_RUNNERS = (256, 1000)
@@ -47,7 +47,7 @@ def run_fit(paths: list[Path], output: Path) -> int:
     output.mkdir(parents=True, exist_ok=True)
     path = write_json(output / "scale-fit.json", result)
     print_fit(result)
-    progress.say(f"written: {path}")
+    console.say(f"written: {path}")
     return 0
 
 
@@ -139,8 +139,8 @@ def print_fit(result: dict[str, Any]) -> None:
 
     for term, value in result["coefficients"].items():
         why = result["left_out"].get(term)
-        progress.say(f"{term}: {value * 1000:.3f} ms" + (f" (left out: {why})" if why else ""))
-    progress.say(f"rms residual over {result['points']} points: {result['rms_residual_s'] * 1000:.1f} ms per iteration")
+        console.say(f"{term}: {value * 1000:.3f} ms" + (f" (left out: {why})" if why else ""))
+    console.say(f"rms residual over {result['points']} points: {result['rms_residual_s'] * 1000:.1f} ms per iteration")
     table = Table(title=f"extrapolation, {result['wait_ms']:g} ms per env step (learning apart)")
     for column in ("runners", "weights MB", "fragment", "ideal steps/s", "PPO overhead s/it", "PPO of ideal",
                    "async driver ceiling steps/s", "async of ideal"):
@@ -149,7 +149,7 @@ def print_fit(result: dict[str, Any]) -> None:
         table.add_row(str(r["runners"]), f"{r['policy_mb']:.2f}", str(r["fragment"]), f"{r['ideal_env_steps_per_s']:,.0f}",
                       f"{r['sync_overhead_s']:.2f}", f"{r['sync_of_ideal']:.0%}", _fmt(r["async_driver_ceiling_env_steps_per_s"]),
                       "-" if r["async_of_ideal"] is None else f"{r['async_of_ideal']:.0%}")
-    progress.console.print(table)
+    console.stdout.print(table)
 
 
 def _fmt(value: Optional[float]) -> str:

@@ -21,12 +21,20 @@ import argparse
 from pathlib import Path
 from typing import Any, Optional
 
-from rlplatform.run import progress
+from rlplatform import console
+from rlplatform.bench.processes import add_node_arguments, check_nodes, loopback_cluster, run_processes, sample_processes
 from rlplatform.bench.training_runs import (
-    add_training_arguments, bench_dir, check_experiment, finish, median, start, train_command, wall_clock_only, write_json,
+    add_training_arguments,
+    bench_dir,
+    check_experiment,
+    finish,
+    median,
+    start,
+    train_command,
+    wall_clock_only,
+    write_json,
 )
 from rlplatform.errors import TrainingFailed, UserError
-from rlplatform.bench.processes import loopback_cluster, run_processes, sample_processes
 from rlplatform.infra.loopback import CLUSTER_RAY_ENV
 
 GROWTH_TARGET = 0.05
@@ -34,25 +42,20 @@ SPAN_SAMPLES = 3  # samples whose median stands for "RSS at the end of the warm-
 
 
 
-def add_verb(verbs) -> None:
+def add_verb(verbs: Any) -> None:  # argparse's sub-parsers action
     q = verbs.add_parser("soak", help="resident memory of every process of a run (driver, runners, learners, Ray's own) over a long run")
-    add_training_arguments(q)
+    add_training_arguments(q, default_experiment="experiments/cartpole_ppo.yaml", address=False)  # the processes are read here
     q.add_argument("--minutes", type=float, default=20.0, help="how long to train (default: 20)")
     q.add_argument("--warmup-minutes", type=float, help="growth is measured after this (default: 2, or a tenth of short runs)")
     q.add_argument("--interval", type=float, default=10.0, help="seconds between memory samples (default: 10)")
-    q.add_argument("--nodes", type=int, default=0,
-                   help="train on a cluster of this many Ray nodes on loopback addresses, started for the soak (default: none, a private local instance)")
-    q.add_argument("--node-cpus", type=float, default=2.0, help="CPUs each loopback node offers (default: 2)")
+    add_node_arguments(q)
     q.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     if args.minutes <= 0 or args.interval <= 0:
         raise UserError("--minutes and --interval must be > 0")
-    if args.address:
-        raise UserError("bench soak reads the memory of processes on this machine; it does not take --address (use --nodes)")
-    if args.nodes < 0 or args.nodes == 1 or args.node_cpus <= 0:
-        raise UserError("--nodes must be 2 or more (a head and workers) and --node-cpus > 0")
+    check_nodes(args)
     warmup_s = 60 * (args.warmup_minutes if args.warmup_minutes is not None else min(2.0, args.minutes / 10))
     if warmup_s >= 60 * args.minutes:
         raise UserError(f"--warmup-minutes ({warmup_s / 60:g}) must be shorter than --minutes ({args.minutes:g})")
@@ -61,12 +64,12 @@ def run(args: argparse.Namespace) -> int:
     with loopback_cluster(args.nodes, args.node_cpus) as cluster:
         if cluster is not None:
             args.address = cluster.address
-            progress.say(f"soak: a cluster of {args.nodes} loopback nodes at {cluster.address} "
+            console.say(f"soak: a cluster of {args.nodes} loopback nodes at {cluster.address} "
                          f"({args.node_cpus:g} CPUs each, {', '.join(f'{k}={v}' for k, v in CLUSTER_RAY_ENV.items())})")
         # Only the clock stops this run; checkpoints and everything else stay as the experiment has them.
         proc, started = start(train_command(args, root / "run", wall_clock_only(args.minutes)), root / "run",
                               env=cluster.head.env if cluster else None)
-        progress.say(f"soak: training {config.name} for {args.minutes:g} min, memory every {args.interval:g} s "
+        console.say(f"soak: training {config.name} for {args.minutes:g} min, memory every {args.interval:g} s "
                      f"(growth measured after {warmup_s / 60:g} min)")
         samples = sample_processes(lambda: run_processes(proc.pid, cluster), read_rss, started, args.interval, poll=proc.poll)
         run_ = finish(proc, started, root / "run", root / "run", timeout_s=120)
@@ -82,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     path = write_json(root / "soak.json", result)
     plot(samples, processes, warmup_s, root / "soak.png")
     _print_table(processes, worst)
-    progress.say(f"written: {path}, {root / 'soak.png'}")
+    console.say(f"written: {path}, {root / 'soak.png'}")
     return 0
 
 
@@ -101,7 +104,7 @@ def growth_per_process(samples: list[dict[str, Any]], warmup_s: float) -> list[d
         rows.append({"pid": int(pid), "role": role, "node": node, "first_s": series[0][0], "last_s": series[-1][0],
                      "rss_after_warmup_mb": baseline / 2**20 if baseline else None, "rss_end_mb": end / 2**20 if end else None,
                      "rss_max_mb": max(r for _, r in series) / 2**20,
-                     "growth": (end - baseline) / baseline if baseline else None})
+                     "growth": (end - baseline) / baseline if baseline and end is not None else None})
     return rows
 
 
@@ -114,11 +117,11 @@ def _print_table(processes: list[dict[str, Any]], worst: Optional[float]) -> Non
     for p in processes:
         table.add_row(p["role"], p["node"], str(p["pid"]), _mb(p["rss_after_warmup_mb"]), _mb(p["rss_end_mb"]), _mb(p["rss_max_mb"]),
                       "-" if p["growth"] is None else f"{p['growth']:+.1%}")
-    progress.console.print(table)
+    console.stdout.print(table)
     if worst is None:
-        progress.say("too few samples after the warm-up to measure growth; run longer or sample more often")
+        console.say("too few samples after the warm-up to measure growth; run longer or sample more often")
     else:
-        progress.say(f"worst growth: {worst:+.1%} ({'within' if worst < GROWTH_TARGET else 'OVER'} the {GROWTH_TARGET:.0%} target)")
+        console.say(f"worst growth: {worst:+.1%} ({'within' if worst < GROWTH_TARGET else 'OVER'} the {GROWTH_TARGET:.0%} target)")
 
 
 def _mb(value: Optional[float]) -> str:

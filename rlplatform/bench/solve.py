@@ -11,14 +11,20 @@ from __future__ import annotations
 import argparse
 from typing import Any, Optional
 
-from rlplatform.run import progress
+from rlplatform import console
 from rlplatform.bench.training_runs import (
-    TrainingRun, add_training_arguments, bench_dir, check_experiment, median, run_training, write_json,
+    TrainingRun,
+    add_training_arguments,
+    bench_dir,
+    check_experiment,
+    median,
+    run_training,
+    write_json,
 )
 from rlplatform.errors import TrainingFailed, UserError
 
 
-def add_verb(verbs) -> None:
+def add_verb(verbs: Any) -> None:  # argparse's sub-parsers action
     q = verbs.add_parser("solve", help="wall time and env steps to the experiment's stop return, per seed and median")
     add_training_arguments(q)
     q.add_argument("--seeds", type=int, default=3, help="number of seeds: the experiment's seed, +1, +2, ... (default: 3)")
@@ -36,19 +42,19 @@ def run(args: argparse.Namespace) -> int:
     rows = []
     for i in range(args.seeds):
         seed = base_seed + i
-        progress.say(f"seed {seed}: training {config.name} ...")
+        console.say(f"seed {seed}: training {config.name} ...")
         run_ = run_training(args, root / f"seed-{seed}", [f"seed={seed}"])
         if run_.returncode != 0:
             raise TrainingFailed(f"seed {seed}: {run_.failure()}")
         rows.append(seed_result(seed, run_))
-        progress.say(_row_line(rows[-1]))
+        console.say(_row_line(rows[-1]))
     summary = summarize(rows)
     result = {"experiment": config.name, "env": config.env, "algorithm": config.algorithm, "target_return": config.stop.return_mean,
               "env_step_limit": config.stop.env_steps, "overrides": args.overrides, "profile": args.profile, "seeds": rows,
               "median": summary}
     path = write_json(root / "solve.json", result)
     _print_table(rows, summary)
-    progress.say(f"written: {path}")
+    console.say(f"written: {path}")
     return 0
 
 
@@ -90,7 +96,7 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Optional[float]]:
 
 def _row_line(r: dict[str, Any]) -> str:
     if not r["solved"]:
-        return f"seed {r['seed']}: not solved ({r['stop'] or 'no stop line'}), return {progress.fmt(r['final_return_mean'], '.1f')}"
+        return f"seed {r['seed']}: not solved ({r['stop'] or 'no stop line'}), return {console.fmt(r['final_return_mean'], '.1f')}"
     return (f"seed {r['seed']}: solved in {r['time_to_solve_s']:.1f} s, {r['env_steps_to_solve']:,} env steps "
             f"(algorithm built at {r['startup'].get('algorithm_ready_s', 0):.1f} s; layout {r['layout']})")
 
@@ -103,10 +109,10 @@ def _print_table(rows: list[dict[str, Any]], summary: dict[str, Any]) -> None:
         table.add_column(column, justify="right")
     for r in rows:
         s = r["startup"]
-        table.add_row(str(r["seed"]), "yes" if r["solved"] else "no", progress.fmt(r["time_to_solve_s"], ".1f"),
-                      progress.fmt(r["env_steps_to_solve"], ","), progress.fmt(s.get("ray_ready_s"), ".1f"), progress.fmt(s.get("algorithm_ready_s"), ".1f"),
-                      progress.fmt(s.get("first_sample_s"), ".1f"), progress.fmt(r["training_s"], ".1f"))
-    table.add_row("median", f"{summary['solved_seeds']}/{len(rows)}", progress.fmt(summary["time_to_solve_s"], ".1f"),
-                  progress.fmt(summary["env_steps_to_solve"], ",.0f"), "", progress.fmt(summary["startup_algorithm_ready_s"], ".1f"),
-                  progress.fmt(summary["first_sample_s"], ".1f"), progress.fmt(summary["training_s"], ".1f"))
-    progress.console.print(table)
+        table.add_row(str(r["seed"]), "yes" if r["solved"] else "no", console.fmt(r["time_to_solve_s"], ".1f"),
+                      console.fmt(r["env_steps_to_solve"], ","), console.fmt(s.get("ray_ready_s"), ".1f"), console.fmt(s.get("algorithm_ready_s"), ".1f"),
+                      console.fmt(s.get("first_sample_s"), ".1f"), console.fmt(r["training_s"], ".1f"))
+    table.add_row("median", f"{summary['solved_seeds']}/{len(rows)}", console.fmt(summary["time_to_solve_s"], ".1f"),
+                  console.fmt(summary["env_steps_to_solve"], ",.0f"), "", console.fmt(summary["startup_algorithm_ready_s"], ".1f"),
+                  console.fmt(summary["first_sample_s"], ".1f"), console.fmt(summary["training_s"], ".1f"))
+    console.stdout.print(table)

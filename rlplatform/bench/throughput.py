@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from rlplatform.run import progress
+from rlplatform import console
 from rlplatform.errors import UserError
 
 LAYOUT = re.compile(r"^(\d+)x(\d+)(?:x(sync|async))?$")
@@ -43,7 +43,7 @@ class Layout:
         return f"{self.env_runners}x{self.envs_per_runner}x{self.vectorize}"
 
 
-def add_verb(verbs) -> None:
+def add_verb(verbs: Any) -> None:  # argparse's sub-parsers action
     q = verbs.add_parser("throughput", help="raw env steps/s, then RLlib sampling throughput per layout (learning off)")
     q.add_argument("experiment", nargs="?", type=Path, help="experiment YAML (default: experiments/cartpole_ppo.yaml)")
     q.add_argument("--layouts", nargs="+", default=DEFAULT_LAYOUTS, metavar="RxE[xMODE]",
@@ -59,8 +59,8 @@ def run(args: argparse.Namespace) -> int:
     from rlplatform.adapter.algorithm_config import check, is_multi_agent_env
     from rlplatform.config.experiment import resolve_experiment
     from rlplatform.config.layouts import record as record_layouts
-    from rlplatform.config.sizing import local_resources
     from rlplatform.infra import local_ray
+    from rlplatform.infra.local_ray import local_resources
 
     if args.seconds <= 0:
         raise UserError(f"--seconds must be > 0, not {args.seconds:g}")
@@ -72,20 +72,20 @@ def run(args: argparse.Namespace) -> int:
     args.output.mkdir(parents=True, exist_ok=True)
 
     raw = raw_steps_per_second(base.env, dict(base.env_config), args.seconds)
-    progress.say(f"raw limit: {raw:,.0f} env steps/s ({base.env}, {RAW_ENVS} envs in one SyncVectorEnv, one process)")
+    console.say(f"raw limit: {raw:,.0f} env steps/s ({base.env}, {RAW_ENVS} envs in one SyncVectorEnv, one process)")
     resources = local_ray.connect(args.address, None if args.address else local_resources(), speedups=base.speedups)
     rows: list[dict[str, Any]] = []
     try:
         for layout in layouts:
             cpus = layout.env_runners * base.hardware.cpus_per_env_runner
             if cpus > resources.cpus:
-                progress.say(f"{layout}: skipped, needs {cpus:g} CPUs and the cluster has {resources.cpus:g}")
+                console.say(f"{layout}: skipped, needs {cpus:g} CPUs and the cluster has {resources.cpus:g}")
                 continue
             config = resolve_experiment(args.experiment, [*args.overrides, *_layout_overrides(layout)], "laptop").config
             sps = sampling_steps_per_second(config, args.seconds)
             rows.append({**asdict(layout), "layout": str(layout), "env_steps_per_s": sps,
                          "ratio_to_raw_per_runner": sps / (raw * layout.env_runners)})
-            progress.say(f"{layout}: {sps:,.0f} env steps/s ({rows[-1]['ratio_to_raw_per_runner']:.0%} of raw per runner)")
+            console.say(f"{layout}: {sps:,.0f} env steps/s ({rows[-1]['ratio_to_raw_per_runner']:.0%} of raw per runner)")
     finally:
         local_ray.shutdown()
     _print_table(rows)
@@ -95,11 +95,11 @@ def run(args: argparse.Namespace) -> int:
     stem = args.output / f"throughput-{_slug(base.env)}"
     stem.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
     plot(result, stem.with_suffix(".png"))
-    progress.say(f"written: {stem.with_suffix('.json')}, {stem.with_suffix('.png')}")
+    console.say(f"written: {stem.with_suffix('.json')}, {stem.with_suffix('.png')}")
     if rows:
         cache = record_layouts(resources.cpus, resources.gpus, base.env, dict(base.env_config), rows, stem.with_suffix(".json"))
         best = max(rows, key=lambda r: r["env_steps_per_s"] / r["env_runners"])
-        progress.say(f"best per runner: {best['layout']}; `train --profile auto` on this machine uses its envs per "
+        console.say(f"best per runner: {best['layout']}; `train --profile auto` on this machine uses its envs per "
                                f"runner and vectorisation for {base.env} where an experiment leaves them open (cache: {cache})")
     return 0
 
@@ -171,7 +171,7 @@ def _print_table(rows: list[dict[str, Any]]) -> None:
     for row in rows:
         table.add_row(row["layout"], f"{row['env_steps_per_s']:,.0f}", f"{row['env_steps_per_s'] / row['env_runners']:,.0f}",
                       f"{row['ratio_to_raw_per_runner']:.0%}")
-    progress.console.print(table)
+    console.stdout.print(table)
 
 
 def plot(result: dict[str, Any], path: Path) -> None:

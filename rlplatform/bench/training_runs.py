@@ -14,17 +14,24 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from rlplatform.config.files import read_yaml
 from rlplatform.run.run_dir import CONFIG_FILE
 
 
-def add_training_arguments(q, default_experiment: str = "experiments/cartpole_ppo.yaml") -> None:
+def add_training_arguments(q: Any, default_experiment: str = "experiments/cartpole_ppo.yaml", address: bool = True,
+                           default_profile: Optional[str] = None) -> None:
+    """The arguments of a benchmark that trains: the experiment, `--set`, `--profile`, `--address` (left out, with
+    `address=False`, where the benchmark reads every process of its run on this machine) and `-o`."""
     q.add_argument("experiment", nargs="?", type=Path, help=f"experiment YAML (default: {default_experiment})")
     q.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="as for train")
-    q.add_argument("--profile", help="as for train (default: the experiment's, usually auto)")
-    q.add_argument("--address", help="train on this Ray cluster (default: a private local instance)")
+    q.add_argument("--profile", default=default_profile,
+                   help=f"as for train (default: {default_profile or 'the experiment file, else auto'})")
+    if address:
+        q.add_argument("--address", help="train on this Ray cluster (default: a private local instance)")
+    else:
+        q.set_defaults(address=None)  # the training run's: the loopback cluster's address when --nodes starts one
     q.add_argument("-o", "--output", type=Path, default=Path("bench"), help="directory for the results (default: bench)")
 
 
@@ -56,7 +63,7 @@ class TrainingRun:
         return f"train exited with {self.returncode}: {tail}"
 
 
-def train_command(args, runs_dir: Path, extra_overrides: list[str] = ()) -> list[str]:
+def train_command(args: Any, runs_dir: Path, extra_overrides: Sequence[str] = ()) -> list[str]:
     cmd = [sys.executable, "-m", "rlplatform", "train", "--runs-dir", str(runs_dir)]
     if args.experiment is not None:
         cmd.append(str(args.experiment))
@@ -76,8 +83,8 @@ def wall_clock_only(minutes: float) -> list[str]:
 
 def check_experiment(args) -> Any:
     """Resolve the experiment here first, so bad input fails before any training process starts."""
-    from rlplatform.config.experiment import resolve_experiment
     from rlplatform.adapter.algorithm_config import check
+    from rlplatform.config.experiment import resolve_experiment
 
     config = resolve_experiment(args.experiment, args.overrides, args.profile).config
     check(config)
@@ -113,7 +120,8 @@ def finish(proc: subprocess.Popen, started: float, runs_dir: Path, log_dir: Path
     return run
 
 
-def run_training(args, runs_dir: Path, extra_overrides: list[str] = (), timeout_s: Optional[float] = None) -> TrainingRun:
+def run_training(args: Any, runs_dir: Path, extra_overrides: Sequence[str] = (),
+                 timeout_s: Optional[float] = None) -> TrainingRun:
     proc, started = start(train_command(args, runs_dir, extra_overrides), runs_dir)
     return finish(proc, started, runs_dir, runs_dir, timeout_s)
 

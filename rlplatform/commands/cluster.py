@@ -15,17 +15,17 @@ import argparse
 import asyncio
 import shlex
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
+from rlplatform import console
 from rlplatform.errors import TrainingFailed, UserError
 from rlplatform.infra import jobs
 from rlplatform.infra.launcher import LauncherConfig, Tunnel, head_status, read_launcher_config, try_launcher_config, up_or_down
-from rlplatform.run import progress
 
 DEFAULT_RUNS_DIR = "$HOME/rlplatform/runs"  # on the head; the image's working directory is ~/rlplatform
 
 
-def add_parser(subparsers) -> None:
+def add_parser(subparsers: Any) -> None:  # argparse's sub-parsers action
     p = subparsers.add_parser("cluster", help="start, stop and inspect a Ray cluster; submit training jobs to it")
     verbs = p.add_subparsers(dest="cluster_verb", metavar="up|down|status|submit", required=True,
                              parser_class=type(p))
@@ -71,9 +71,9 @@ def run(args: argparse.Namespace) -> int:
     return submit(args)
 
 
-def _print_jobs(client) -> int:
+def _print_jobs(client: Any) -> int:
     for job in client.list_jobs():
-        progress.say(f"{job.submission_id or job.job_id}  {job.status}  {job.entrypoint}")
+        console.say(f"{job.submission_id or job.job_id}  {job.status}  {job.entrypoint}")
     return 0
 
 
@@ -112,17 +112,17 @@ def submit(args: argparse.Namespace) -> int:
                                        verb="tune" if args.tune else "train")
     tunnel = Tunnel(config.path) if config is not None and not args.address else None
     try:
-        client = jobs.job_client(args.address or tunnel.address)
+        client = jobs.job_client(args.address or _tunnel_address(tunnel))
         runtime_env = {"working_dir": str(working_dir), "excludes": jobs.WORKING_DIR_EXCLUDES}
         job_id = jobs.submit_job(client, entrypoint, runtime_env, args.submission_id)
-        progress.say(f"job {job_id} submitted: {entrypoint}")
+        console.say(f"job {job_id} submitted: {entrypoint}")
         if args.no_wait:
-            progress.say(f"follow it with: ray job logs --follow {job_id} --address {args.address or '<tunnel>'}")
+            console.say(f"follow it with: ray job logs --follow {job_id} --address {args.address or '<tunnel>'}")
             return 0
         try:
             asyncio.run(jobs.stream_logs(client, job_id))
         except KeyboardInterrupt:
-            progress.say(f"detached; the job keeps running. Stop it with: ray job stop {job_id}")
+            console.say(f"detached; the job keeps running. Stop it with: ray job stop {job_id}")
             return 130
         status = jobs.wait_finished(client, job_id)
         logs = client.get_job_logs(job_id)
@@ -140,15 +140,21 @@ def _print_where(logs: str, config: Optional[Path], address: Optional[str]) -> N
     run_dir = jobs.run_dir_from_logs(logs)
     if run_dir is None:
         return
-    progress.say(f"{'sweep' if jobs.is_sweep_log(logs) else 'run'} directory (on the head node): {run_dir}")
+    console.say(f"{'sweep' if jobs.is_sweep_log(logs) else 'run'} directory (on the head node): {run_dir}")
     if config is not None:
-        progress.say(
+        console.say(
             f"TensorBoard: ray exec {config} {shlex.quote(f'python -m rlplatform dashboard {run_dir}')} --port-forward 6006"
             "  then open http://127.0.0.1:6006"
         )
-        progress.say(f"copy it here: ray rsync-down {config} {run_dir} runs/")
+        console.say(f"copy it here: ray rsync-down {config} {run_dir} runs/")
     else:
-        progress.say(
+        console.say(
             f"TensorBoard: on the head, python -m rlplatform dashboard {run_dir}; from a laptop: "
             "ssh -L 6006:127.0.0.1:6006 <head> and open http://127.0.0.1:6006"
         )
+
+
+def _tunnel_address(tunnel: Optional[Tunnel]) -> str:
+    if tunnel is None:
+        raise UserError("cluster submit needs --address or a cluster config to tunnel to the head")
+    return tunnel.address

@@ -5,12 +5,13 @@ from __future__ import annotations
 import argparse
 import threading
 from pathlib import Path
+from typing import Any
 
+from rlplatform import console
 from rlplatform.dashboards.tensorboard import DEFAULT_PORT, start
-from rlplatform.run import progress
 
 
-def add_parser(subparsers) -> None:
+def add_parser(subparsers: Any) -> None:  # argparse's sub-parsers action
     p = subparsers.add_parser("dashboard", help="start TensorBoard on run directories and print its URL")
     p.add_argument("runs_dir", nargs="?", type=Path, default=Path("runs"), metavar="RUNS_DIR")
     p.add_argument("--port", type=int, default=DEFAULT_PORT)
@@ -20,7 +21,7 @@ def add_parser(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     url = start(args.runs_dir, args.host, args.port)
-    progress.say(f"TensorBoard on {args.runs_dir}: {url}  (Ctrl-C to stop)")
+    console.say(f"TensorBoard on {args.runs_dir}: {url}  (Ctrl-C to stop)")
     try:
         threading.Event().wait()
     except KeyboardInterrupt:

@@ -15,7 +15,7 @@ from typing import Any, Callable
 import numpy as np
 from rich.markup import escape
 
-from rlplatform.run import progress
+from rlplatform import console
 from rlplatform.config.files import load_yaml_text
 from rlplatform.config.schema import validate
 from rlplatform.errors import UserError
@@ -29,7 +29,7 @@ SUITES = {  # suite -> (module that must import, how to recognise its ids)
 }
 
 
-def add_parser(subparsers) -> None:
+def add_parser(subparsers: Any) -> None:  # argparse's sub-parsers action
     p = subparsers.add_parser("envs", help="list environments, or check one")
     verbs = p.add_subparsers(dest="envs_verb", metavar="list|check", required=True)
     verbs.add_parser("list", help="our envs and the installed suites' ids").set_defaults(func=run_list)
@@ -47,9 +47,9 @@ def run_list(args: argparse.Namespace) -> int:
 
     import rlplatform_envs
 
-    progress.console.print("[bold]rlplatform envs[/] (envs/)")
+    console.stdout.print("[bold]rlplatform envs[/] (envs/)")
     for env_id, (entry_point, _, multi_agent) in rlplatform_envs.ENVS.items():
-        progress.say(f"  {env_id:<36} {'multi-agent' if multi_agent else 'single-agent'}  {entry_point}")
+        console.say(f"  {env_id:<36} {'multi-agent' if multi_agent else 'single-agent'}  {entry_point}")
     if importlib.util.find_spec("ale_py"):
         import ale_py
 
@@ -58,9 +58,9 @@ def run_list(args: argparse.Namespace) -> int:
         installed = importlib.util.find_spec(module) is not None
         ids = sorted(spec.id for spec in gym.registry.values() if belongs(spec)) if installed else []
         status = f"{len(ids)} ids" if installed else "not installed"
-        progress.console.print(f"[bold]{suite}[/]: {status}")
+        console.stdout.print(f"[bold]{suite}[/]: {status}")
         if ids:
-            progress.say("  " + ", ".join(ids[:12]) + (f", ... ({len(ids) - 12} more)" if len(ids) > 12 else ""))
+            console.say("  " + ", ".join(ids[:12]) + (f", ... ({len(ids) - 12} more)" if len(ids) > 12 else ""))
     return 0
 
 
@@ -75,8 +75,8 @@ def _env_config(text: str) -> dict[str, Any]:
 
 
 def run_check(args: argparse.Namespace) -> int:
-    from rlplatform.config.env_ids import make_env, runner_env_id
     from rlplatform.adapter.algorithm_config import is_multi_agent_env
+    from rlplatform.config.env_ids import make_env, runner_env_id
 
     runner_env_id(args.env_id)  # unknown ids end here, as a usage error
     env_config = _env_config(args.env_config)
@@ -96,11 +96,11 @@ def run_check(args: argparse.Namespace) -> int:
     for name, check in checks:
         try:
             detail = check()
-            progress.console.print(f"[green]ok[/]   {escape(f'{name}: {detail}')}")
+            console.stdout.print(f"[green]ok[/]   {escape(f'{name}: {detail}')}")
         except Exception as exc:  # each check reports its own failure and the others still run
             failed += 1
-            progress.console.print(f"[red]FAIL[/] {escape(f'{name}: {type(exc).__name__}: {_last_line(exc)}')}")
-    progress.say(f"{args.env_id}: {len(checks) - failed}/{len(checks)} checks passed")
+            console.stdout.print(f"[red]FAIL[/] {escape(f'{name}: {type(exc).__name__}: {_last_line(exc)}')}")
+    console.say(f"{args.env_id}: {len(checks) - failed}/{len(checks)} checks passed")
     return 1 if failed else 0
 
 
@@ -115,9 +115,9 @@ def _checker(env_id: str, env_config: dict, multi_agent: bool) -> str:
     env = make_env(env_id, **env_config)
     try:
         if multi_agent:
-            from ray.rllib.utils.pre_checks.env import check_multiagent_environments
+            from rlplatform.adapter.env_runners import check_multi_agent_env
 
-            check_multiagent_environments(env.unwrapped)
+            check_multi_agent_env(env.unwrapped)
             return "RLlib's multi-agent checks passed"
         from gymnasium.utils.env_checker import check_env
 
@@ -179,9 +179,9 @@ def _steps_per_second(env_id: str, env_config: dict, multi_agent: bool, steps: i
 
 
 def _remote(env_id: str, env_config: dict, multi_agent: bool, address: str | None) -> str:
+    from rlplatform.adapter.env_runners import sample_in_remote_env_runner
     from rlplatform.config.sizing import Resources
     from rlplatform.infra import local_ray
-    from rlplatform.adapter.env_runners import sample_in_remote_env_runner
 
     data: dict[str, Any] = {"env": env_id, "env_config": env_config, "scale": {"env_runners": 1}}
     if multi_agent:

@@ -13,23 +13,32 @@ import json
 import os
 import statistics
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
-from rlplatform.run import progress
-from rlplatform.run.checkpoints import (
-    CheckpointInfo, best_first, checked, first_usable, list_checkpoints, newest_first, read_checkpoint,
-)
+from rlplatform import console
 from rlplatform.config.schema import ExperimentConfig, validate
 from rlplatform.errors import UserError
+from rlplatform.run.checkpoints import (
+    CheckpointInfo,
+    best_first,
+    checked,
+    first_usable,
+    list_checkpoints,
+    newest_first,
+    read_checkpoint,
+)
 from rlplatform.run.run_dir import CONFIG_FILE, check_writable
 
 
-def add_parser(subparsers) -> None:
-    p = subparsers.add_parser("evaluate", help="run greedy episodes of a trained policy, optionally with video")
+def add_parser(subparsers: Any) -> None:  # argparse's sub-parsers action
+    p = subparsers.add_parser(
+        "evaluate", help="run greedy episodes of a trained policy, optionally with video",
+        description="Run greedy episodes of a trained policy in this process. It starts no Ray instance; a checkpoint is "
+                    "loaded with RLlib (imported), an export with onnxruntime (torch for TorchScript) alone.")
     p.add_argument("target", type=Path, metavar="RUN_DIR|CHECKPOINT|EXPORT")
-    p.add_argument("--episodes", type=int, default=10)
+    p.add_argument("--episodes", type=int, default=10, help="episodes to run (default: 10)")
     p.add_argument("--video", type=Path, metavar="DIR", help="write an MP4 of every episode into DIR")
-    p.add_argument("--seed", type=int, default=0, help="episode i is reset with seed S+i")
+    p.add_argument("--seed", type=int, default=0, help="episode i is reset with seed S+i (default: 0)")
     p.add_argument("--checkpoint", choices=("best", "latest"), default="best", help="which checkpoint of a run directory")
     p.add_argument("--json", type=Path, metavar="FILE", help="also write the results as JSON")
     p.add_argument("--policy", help="policy (module) id; default: the only or default policy")
@@ -71,21 +80,21 @@ def run(args: argparse.Namespace) -> int:
     if config is None:
         raise UserError(f"checkpoint {info.path} carries no experiment config")
     results = evaluate(info.path, config, args.episodes, args.seed, args.video, args.policy)
-    progress.say(f"checkpoint: {info.path} (iteration {info.iteration}, {info.env_steps:,} env steps)")
+    console.say(f"checkpoint: {info.path} (iteration {info.iteration}, {info.env_steps:,} env steps)")
     report(results, args.json, {"checkpoint": str(info.path)})
     return 0
 
 
 def report(results: dict, json_file: Optional[Path], source: dict) -> None:
     returns, lengths = results["returns"], results["lengths"]
-    progress.say(
+    console.say(
         f"{len(returns)} episodes: return {statistics.mean(returns):.2f} ± {statistics.pstdev(returns):.2f}, "
         f"length {statistics.mean(lengths):.1f} ± {statistics.pstdev(lengths):.1f}"
     )
     for name, values in results.get("per_policy_returns", {}).items():
-        progress.say(f"  policy {name}: return {statistics.mean(values):.2f} ± {statistics.pstdev(values):.2f}")
+        console.say(f"  policy {name}: return {statistics.mean(values):.2f} ± {statistics.pstdev(values):.2f}")
     for video in results["videos"]:
-        progress.say(f"video: {video}")
+        console.say(f"video: {video}")
     if json_file:
         json_file.write_text(json.dumps({**source, **results}, indent=1))
 
@@ -116,7 +125,7 @@ def run_exported(args: argparse.Namespace) -> int:
         (policy,) = policies.values()
         name = (spec or {}).get("source", {}).get("experiment") or args.target.stem
         results = run_episodes(policy, env, env_config, args.episodes, args.seed, args.video, name=name)
-    progress.say(f"exported policy: {args.target} (env {env})")
+    console.say(f"exported policy: {args.target} (env {env})")
     report(results, args.json, {"export": str(args.target)})
     return 0
 
@@ -143,15 +152,15 @@ def _exported_policies(args: argparse.Namespace, spec: Optional[dict], root: Pat
 class CheckpointPolicy:
     """An RLModule from a checkpoint, acting greedily: RLlib's action, as the env gets it."""
 
-    def __init__(self, module, config: ExperimentConfig):
+    def __init__(self, module: Any, config: ExperimentConfig) -> None:
         self.module, self.config = module, config
 
-    def initial_state(self):
+    def initial_state(self) -> Any:
         from rlplatform.adapter import policy as rllib_policy
 
         return rllib_policy.initial_state(self.module)
 
-    def act(self, observations, state=None):
+    def act(self, observations: Any, state: Any = None) -> tuple[list[Any], Any]:
         from rlplatform.adapter import policy as rllib_policy
 
         actions, state = rllib_policy.greedy_actions(self.module, observations, state)
@@ -171,7 +180,7 @@ def evaluate(checkpoint: Path, config: ExperimentConfig, episodes: int, seed: in
     return run_episodes(module, config.env, config.env_config, episodes, seed, video_dir, name=config.name)
 
 
-def run_episodes(policy, env_id: str, env_config: dict, episodes: int, seed: int, video_dir: Optional[Path], name: str) -> dict:
+def run_episodes(policy: Any, env_id: str, env_config: dict, episodes: int, seed: int, video_dir: Optional[Path], name: str) -> dict:
     """Greedy episodes; `policy` has initial_state() and act(observations, state) -> (env actions, state)."""
     import gymnasium as gym
 
@@ -210,7 +219,9 @@ def run_multi_agent_episodes(policies: dict, mapping: dict[str, str], env_id: st
 
     policy_of = PolicyMapping(mapping)
     env = make_env(env_id, **env_config)
-    returns, lengths, per_policy = [], [], {name: [] for name in policies}
+    returns: list[float] = []
+    lengths: list[int] = []
+    per_policy: dict[str, list[float]] = {name: [] for name in policies}
     for episode in range(episodes):
         obs, _ = env.reset(seed=seed + episode)
         totals = dict.fromkeys(policies, 0.0)

@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
+from rlplatform import console
 from rlplatform.errors import UserError
 from rlplatform.export.spec import FORMATS, SPEC_FILE
-from rlplatform.run import progress
 from rlplatform.run.run_dir import check_writable
 
 
-def add_parser(subparsers) -> None:
+def add_parser(subparsers: Any) -> None:  # argparse's sub-parsers action
     p = subparsers.add_parser("export", help="write a trained policy as ONNX or TorchScript, for use without Ray")
     p.add_argument("target", type=Path, metavar="RUN_DIR|CHECKPOINT")
     p.add_argument("-o", "--output", type=Path, required=True, metavar="DIR", help="directory for the model file(s) and export.json")
@@ -41,9 +42,9 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--policy {args.policy!r}: the run has {', '.join(config.multi_agent.policies)}")
     spec = export_checkpoint(info, config, args.format, args.output, args.stochastic, args.policy)
     log_export(info.path, config, args.output)
-    progress.say(f"checkpoint: {info.path} (iteration {info.iteration}, {info.env_steps:,} env steps)")
+    console.say(f"checkpoint: {info.path} (iteration {info.iteration}, {info.env_steps:,} env steps)")
     for name, policy in spec["policies"].items():
         inputs = ", ".join(i["name"] for i in policy["inputs"])
-        progress.say(f"policy {name}: {args.output / policy['file']} ({inputs} -> {policy['action_distribution']} action)")
-    progress.say(f"description: {args.output / SPEC_FILE}")
+        console.say(f"policy {name}: {args.output / policy['file']} ({inputs} -> {policy['action_distribution']} action)")
+    console.say(f"description: {args.output / SPEC_FILE}")
     return 0

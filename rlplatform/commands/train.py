@@ -12,24 +12,24 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rlplatform import internals
+from rlplatform import console
+from rlplatform.adapter import speedups
 from rlplatform.config.experiment import ResolvedExperiment, resolve_experiment
 from rlplatform.config.files import apply_override, parse_override, read_yaml, to_yaml
 from rlplatform.config.schema import validate
-from rlplatform.config.sizing import local_resources
 from rlplatform.errors import UserError
 from rlplatform.infra import local_ray
-from rlplatform.run import progress, run_dir as rundir
+from rlplatform.run import run_dir as rundir
 from rlplatform.run.loop import train_loop
 from rlplatform.run.plan import Plan, checkpoint_to_resume, make_plan
 
 
-def add_parser(subparsers) -> None:
+def add_parser(subparsers: Any) -> None:  # argparse's sub-parsers action
     p = subparsers.add_parser("train", help="train an experiment file on Ray RLlib")
     p.add_argument("experiment", nargs="?", type=Path, help="experiment YAML (default: experiments/cartpole_ppo.yaml)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override any key, e.g. --set training.lr=1e-3 (value parsed as YAML)")
-    p.add_argument("--profile", help="scale/hardware profile: auto (default), laptop, workstation-1gpu, multi-gpu, cluster, or a YAML path")
+    p.add_argument("--profile", help="scale/hardware profile: auto, laptop, workstation-1gpu, multi-gpu, cluster, or a YAML path (default: the experiment file's profile, else auto)")
     p.add_argument("--address", help="run on an existing Ray cluster (auto or HOST:PORT); default: a private local instance")
     p.add_argument("--resume", type=Path, metavar="RUN_DIR", help="continue a run from its newest complete checkpoint")
     p.add_argument("--max-failures", type=int, metavar="N",
@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
             resources = local_ray.connect(args.address)
             connected = True
         else:
-            resources = local_resources()
+            resources = local_ray.local_resources()
         plan = make_plan(resolved, resources, joined_cluster=bool(args.address), resize=not args.resume)
         if args.resume:
             plan.run_dir = args.resume
@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
             from rlplatform.dashboards import tensorboard
 
             url = tensorboard.start(plan.run_dir, port=args.dashboard_port)
-            progress.say(f"TensorBoard: {url}")
+            console.say(f"TensorBoard: {url}")
         if not connected:
             local_ray.connect(None, plan.resources, prestart_workers=not plan.algorithm_in_driver,
                               speedups=plan.config.speedups)
@@ -85,11 +85,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _manifest_facts(args: argparse.Namespace, resolved: ResolvedExperiment, plan: Plan) -> dict[str, Any]:
-    speedups = {"requested": resolved.config.speedups, "active": internals.active(plan.config, not args.address),
-                "ray": internals.ray_version(), "verified_on_ray": internals.VERIFIED_RAY_VERSION}
     return {"resources": vars(plan.resources), "bundles": plan.bundles, "address": args.address,
             "layout_from_bench": plan.layout_note,
-            "envs_per_runner": plan.envs_choice, "speedups": speedups,
+            "envs_per_runner": plan.envs_choice,
+            "speedups": speedups.manifest_record(resolved.config.speedups, plan.config, not args.address),
             "resumed_from": str(plan.resume_from.path) if plan.resume_from else None}
 
 

@@ -9,6 +9,7 @@ package in the worker, which registers them.
 from __future__ import annotations
 
 import importlib
+from typing import Any
 
 import gymnasium as gym
 
@@ -51,6 +52,6 @@ def _check_registered(env_id: str, env: str) -> None:
         raise UserError(f"env {env!r} needs a package that is not installed: {exc}") from None
 
 
-def make_env(env: str, /, **kwargs) -> gym.Env:
+def make_env(env: str, /, **kwargs: Any) -> gym.Env:
     """Build one env in this process (evaluation, checks)."""
     return gym.make(runner_env_id(env), **kwargs)

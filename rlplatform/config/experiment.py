@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Sequence
 
-from rlplatform.config.schema import DEFAULT_PROFILE, ExperimentConfig, validate
 from rlplatform.config.files import apply_override, deep_merge, parse_override, read_yaml
+from rlplatform.config.schema import DEFAULT_PROFILE, ExperimentConfig, validate
 from rlplatform.errors import UserError
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]  # the checkout: rlplatform/config/experiment.py
@@ -70,7 +70,7 @@ def load_profile(name: str, experiment_path: Path) -> dict[str, Any]:
 
 def resolve_experiment(
     path: Optional[Path],
-    overrides: list[str] = (),
+    overrides: Sequence[str] = (),
     profile: Optional[str] = None,
 ) -> ResolvedExperiment:
     source = path if path is not None else default_experiment_path()

@@ -11,7 +11,6 @@ from pydantic import BaseModel
 
 from rlplatform.errors import UserError
 
-
 # What an experiment file may hold at most: deeper input, and aliases that multiply it, are refused before it is
 # built, so that nothing after reading (validation, `--print-config`, the run's config.yaml) recurses or expands
 # without bound. A real experiment is a few levels deep and a few hundred values big.
@@ -30,7 +29,7 @@ class _Loader(yaml.SafeLoader):
 
     _depth = 0
 
-    def compose_node(self, parent, index):
+    def compose_node(self, parent: Any, index: Any) -> Any:
         self._depth += 1
         try:
             if self._depth > MAX_DEPTH:
@@ -39,13 +38,13 @@ class _Loader(yaml.SafeLoader):
         finally:
             self._depth -= 1
 
-    def get_single_node(self):
+    def get_single_node(self) -> Any:
         node = super().get_single_node()
         if node is not None:
             _check_expansion(node)
         return node
 
-    def construct_object(self, node, deep=False):
+    def construct_object(self, node: Any, deep: bool = False) -> Any:
         try:
             data = super().construct_object(node, deep=deep)
         except yaml.YAMLError:

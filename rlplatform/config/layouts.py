@@ -19,6 +19,8 @@ import platform
 from pathlib import Path
 from typing import Any, Optional
 
+from rlplatform.config.schema import ExperimentConfig
+
 CACHE_ENV = "RLPLATFORM_CACHE_DIR"
 
 
@@ -87,7 +89,8 @@ def best_layout(cpus: float, gpus: float, env: str, env_config: dict[str, Any], 
     return max(rows, key=lambda r: r["env_steps_per_s"] / r["env_runners"])
 
 
-def apply_best_layout(config, cpus: float, gpus: float, given_keys: set[str]):
+def apply_best_layout(config: ExperimentConfig, cpus: float, gpus: float,
+                      given_keys: set[str]) -> tuple[ExperimentConfig, Optional[str]]:
     """`--profile auto`: envs per runner and vectorisation from the best measured layout, if any, where
     `given_keys` (what the experiment's file, profile and --set give) leave them open (for sampling in
     the main process, the best one-runner layout: the same runner, the same envs).

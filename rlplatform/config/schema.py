@@ -7,7 +7,7 @@ RLlib is not imported here: the adapter maps this schema onto ``AlgorithmConfig`
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union, get_args, get_origin
+from typing import Any, Final, Literal, Optional, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -15,7 +15,7 @@ from rlplatform.config.files import MAX_DEPTH
 from rlplatform.config.search import SearchSection
 from rlplatform.errors import UserError, did_you_mean
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION: Final = 1
 ALGORITHMS = ("PPO", "APPO", "IMPALA", "DQN", "SAC")
 ASYNCHRONOUS_ALGORITHMS = ("APPO", "IMPALA")  # they learn while their env runners sample
 DEFAULT_PROFILE = "auto"

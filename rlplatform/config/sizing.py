@@ -4,11 +4,10 @@ check that refuses, before anything starts, a request the cluster can never sche
 from __future__ import annotations
 
 import math
-import os
 from collections import Counter
 from dataclasses import dataclass, field
 
-from rlplatform.config.schema import ASYNCHRONOUS_ALGORITHMS, ExperimentConfig
+from rlplatform.config.schema import ASYNCHRONOUS_ALGORITHMS, ExperimentConfig, HardwareSection, ScaleSection
 from rlplatform.errors import UserError
 
 
@@ -24,48 +23,35 @@ class Resources:
         return f"{self.cpus:g} CPUs, {self.gpus:g} GPUs on {len(self.nodes)} node(s)"
 
 
-def local_resources() -> Resources:
-    """What a private local instance on this machine will have, known before Ray starts."""
-    cpus = float(len(os.sched_getaffinity(0)))
-    gpus = float(_local_gpu_count())
-    return Resources(cpus=cpus, gpus=gpus, nodes=[{"CPU": cpus, "GPU": gpus}])
-
-
-def _local_gpu_count() -> int:
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
 def size_to_cluster(config: ExperimentConfig, resources: Resources, explicit_keys: set[str]) -> ExperimentConfig:
     """`--profile auto`: a GPU learner when there is a GPU, one learner per GPU when there are
     several, env runners over the CPUs left (none, sampling in the main process, where only one
     would fit and the algorithm is synchronous). Keys given with --set are left as they are."""
     scale = config.scale.model_copy()
-    hw = config.hardware.model_copy()
+    hardware = config.hardware.model_copy()
 
-    def choose(section, key: str, value) -> None:
+    def choose(section: ScaleSection | HardwareSection, key: str, value: float) -> None:
         if f"{'scale' if section is scale else 'hardware'}.{key}" not in explicit_keys:
             setattr(section, key, value)
 
     gpus = int(resources.gpus)
     if gpus >= 2:
         choose(scale, "learners", gpus)
-        choose(hw, "gpus_per_learner", 1)
+        choose(hardware, "gpus_per_learner", 1)
     elif gpus == 1:
         choose(scale, "learners", 0)
-        choose(hw, "gpus_per_learner", 1)
-    learner_cpus = learner_cpu_demand(scale.learners, hw.cpus_per_learner, hw.gpus_per_learner, hw.driver_cpus)
+        choose(hardware, "gpus_per_learner", 1)
+    learner_cpus = learner_cpu_demand(scale.learners, hardware.cpus_per_learner, hardware.gpus_per_learner, hardware.driver_cpus)
     free = resources.cpus - learner_cpus
-    if hw.cpus_per_env_runner > 0:
-        runners = max(0, math.floor(free / hw.cpus_per_env_runner + 1e-9))
+    if hardware.cpus_per_env_runner > 0:
+        runners = max(0, math.floor(free / hardware.cpus_per_env_runner + 1e-9))
         if runners == 1 and scale.learners == 0 and config.algorithm not in ASYNCHRONOUS_ALGORITHMS:
             # A synchronous algorithm samples, then learns: a single remote runner would wait while the
             # learner works, and the learner while it samples. Sampling in the main process is as fast
             # and saves a process start (seconds) and a copy of every batch.
             runners = 0
         choose(scale, "env_runners", runners)
-    sized = config.model_copy(update={"scale": scale, "hardware": hw})
+    sized = config.model_copy(update={"scale": scale, "hardware": hardware})
     return ExperimentConfig.model_validate(sized.model_dump())
 
 

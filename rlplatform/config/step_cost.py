@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 RUNNER_FIXED_COST_S = 200e-6  # per vector step of an env runner, besides the envs (see above)
 ENV_SHARE_FACTOR = 4  # env time >= 4 x the fixed cost: >= ~80 % of a runner's time in the envs
@@ -85,7 +85,7 @@ def measure_step_cost(env: str, env_config: dict[str, Any], max_steps: int = MEA
             pass
 
 
-def _step(env_obj) -> bool:
+def _step(env_obj: Any) -> bool:
     _, _, terminated, truncated, _ = env_obj.step(env_obj.action_space.sample())
     if terminated or truncated:
         env_obj.reset()
@@ -99,21 +99,20 @@ def envs_for_step_cost(step_cost_s: float, batch_bound: int = MAX_ENVS) -> int:
     return 1 << (n.bit_length() - 1)
 
 
-def batch_bound(config) -> int:
-    """Most envs per runner such that runners x envs x fragment fits one train batch (at least 1)."""
-    from rlplatform.adapter.algorithm_config import _training_kwargs, config_class
-
-    scale = config.scale
-    try:
-        algo = config_class(config.algorithm)().training(**_training_kwargs(config)).learners(num_learners=scale.learners)
-        batch = int(algo.total_train_batch_size)
-    except Exception:  # RLlib refuses the training section: the plan reports that itself
+def batch_bound(config: Any, train_batch: Optional[int]) -> int:
+    """Most envs per runner such that runners x envs x fragment fits one train batch (at least 1).
+    `train_batch` is RLlib's total train batch for the experiment (`adapter.algorithm_config.total_train_batch`);
+    None when RLlib refuses the training section (the plan reports that itself)."""
+    if train_batch is None:
         return MAX_ENVS
+    scale = config.scale
     fragment = scale.rollout_fragment_length if isinstance(scale.rollout_fragment_length, int) else MIN_FRAGMENT
-    return max(1, batch // (max(1, scale.env_runners) * fragment))
+    return max(1, train_batch // (max(1, scale.env_runners) * fragment))
 
 
-def apply_step_cost(config, given_keys: set[str], measure=measure_step_cost):
+def apply_step_cost(config: Any, given_keys: set[str], train_batch: Optional[int],
+                    measure: Callable[[str, dict[str, Any]], Optional[float]] = measure_step_cost,
+                    ) -> tuple[Any, Optional[dict[str, Any]]]:
     """`--profile auto` without a cached layout: envs per runner from the env's measured step cost,
     where `given_keys` leave it open. Returns the config and the choice (envs, step cost) or None."""
     if "scale.envs_per_runner" in given_keys or config.multi_agent is not None or config.algorithm not in ON_POLICY:
@@ -123,7 +122,7 @@ def apply_step_cost(config, given_keys: set[str], measure=measure_step_cost):
     cost = measure(config.env, dict(config.env_config))
     if cost is None:
         return config, None
-    envs = envs_for_step_cost(cost, batch_bound(config))
+    envs = envs_for_step_cost(cost, batch_bound(config, train_batch))
     updated = config.model_copy(update={"scale": config.scale.model_copy(update={"envs_per_runner": envs})})
     return type(config).model_validate(updated.model_dump()), {"envs_per_runner": envs, "step_cost_s": cost}
 

@@ -7,8 +7,8 @@ import logging
 import socket
 from pathlib import Path
 
+from rlplatform import console
 from rlplatform.errors import UserError
-from rlplatform.run import progress
 
 DEFAULT_PORT = 6006
 PORTS_TO_TRY = 20
@@ -32,7 +32,7 @@ def choose_port(host: str, port: int) -> int:
     for candidate in range(port, min(port + PORTS_TO_TRY, 65536)):
         if _port_is_free(host, candidate):
             if candidate != port:
-                progress.say(f"port {port} is in use; TensorBoard uses port {candidate}")
+                console.say(f"port {port} is in use; TensorBoard uses port {candidate}")
             return candidate
     raise UserError(f"ports {port}-{port + PORTS_TO_TRY - 1} on {host} are all in use; choose another with --port")
 

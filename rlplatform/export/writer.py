@@ -24,8 +24,9 @@ def export_checkpoint(info: CheckpointInfo, config: ExperimentConfig, fmt: str, 
 
     if fmt == "onnx":
         _require_onnx()
-    multi_agent = config.multi_agent is not None
-    names = [policy] if policy else (list(config.multi_agent.policies) if multi_agent else module_ids(info.path)[:1])
+    ma = config.multi_agent
+    multi_agent = ma is not None
+    names = [policy] if policy else (list(ma.policies) if ma is not None else module_ids(info.path)[:1])
     out_dir.mkdir(parents=True, exist_ok=True)
     policies = {}
     for name in names:
@@ -38,7 +39,7 @@ def export_checkpoint(info: CheckpointInfo, config: ExperimentConfig, fmt: str, 
         "env_config": config.env_config,
         "stochastic": stochastic,
         "preprocessing": preprocessing(config),
-        "multi_agent": {"mapping": config.multi_agent.mapping} if multi_agent else None,
+        "multi_agent": {"mapping": ma.mapping} if ma is not None else None,
         "policies": policies,
         "source": {"checkpoint": str(info.path.resolve()), "iteration": info.iteration, "env_steps": info.env_steps,
                    "experiment": config.name, "seed": config.seed},
@@ -66,17 +67,9 @@ def preprocessing(config: ExperimentConfig) -> dict[str, Any]:
 
 
 def versions(fmt: str) -> dict[str, Optional[str]]:
-    from importlib.metadata import PackageNotFoundError, version
-
     from rlplatform.run.run_dir import library_versions
 
-    found = library_versions()
-    for package in (("onnx", "onnxscript", "onnxruntime") if fmt == "onnx" else ()):
-        try:
-            found[package] = version(package)
-        except PackageNotFoundError:
-            found[package] = None
-    return found
+    return library_versions(("onnx", "onnxscript", "onnxruntime") if fmt == "onnx" else ())
 
 
 def _require_onnx() -> None:

@@ -97,6 +97,7 @@ class Tunnel:
         deadline = time.time() + TUNNEL_TIMEOUT_S
         while time.time() < deadline:
             if self.process.poll() is not None:
+                assert self.process.stderr is not None  # stderr=PIPE
                 err = (self.process.stderr.read() or b"").decode(errors="replace").strip().splitlines()
                 raise UserError(f"`ray dashboard {config}` failed: {err[-1] if err else 'exit ' + str(self.process.returncode)}")
             try:

@@ -11,8 +11,8 @@ import os
 from pathlib import Path
 from typing import Optional
 
-from rlplatform import internals
-from rlplatform.config.sizing import Resources, local_resources
+from rlplatform.adapter.speedups import init_local_ray
+from rlplatform.config.sizing import Resources
 from rlplatform.errors import UserError
 
 TOKEN_FILE = Path.home() / ".ray" / "auth_token"
@@ -29,7 +29,7 @@ def connect(address: Optional[str], resources: Optional[Resources] = None, prest
             speedups: bool = True) -> Resources:
     """Start a private local Ray instance (address None) or join the cluster at `address`.
 
-    With the speed-ups on, the local instance starts lean (`internals.local_node`; `prestart_workers`
+    With the speed-ups on, the local instance starts lean (`adapter.speedups.init_local_ray`; `prestart_workers`
     is passed on there); off, it is plain `ray.init(address="local")`.
     """
     import ray
@@ -39,19 +39,26 @@ def connect(address: Optional[str], resources: Optional[Resources] = None, prest
     if address is None:
         resources = resources or local_resources()
         local = dict(address="local", num_cpus=int(resources.cpus), num_gpus=int(resources.gpus), include_dashboard=False)
-        if internals.enabled(speedups):
-            from rlplatform.internals import local_node
-
-            with local_node.lean_local_node():
-                ray.init(**local, **common, _system_config=local_node.system_config(prestart_workers))
-        else:
-            ray.init(**local, **common)
+        init_local_ray({**local, **common}, speedups, prestart_workers)
     else:
         try:
             ray.init(address=address, **common)
         except (ConnectionError, RuntimeError, ValueError) as exc:
             raise UserError(f"cannot connect to the Ray cluster at {address!r}: {str(exc).splitlines()[0]}") from None
     return cluster_resources()
+
+
+def local_resources() -> Resources:
+    """What a private local instance on this machine will have, known before Ray starts."""
+    cpus = float(len(os.sched_getaffinity(0)))
+    gpus = float(_local_gpu_count())
+    return Resources(cpus=cpus, gpus=gpus, nodes=[{"CPU": cpus, "GPU": gpus}])
+
+
+def _local_gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def cluster_resources() -> Resources:

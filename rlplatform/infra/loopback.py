@@ -104,6 +104,7 @@ class RayNode:
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.process.poll() is not None:
+                assert self.process.stderr is not None  # stderr=PIPE
                 err = self.process.stderr.read().decode(errors="replace")[-2000:]
                 self.stop()
                 raise RuntimeError(f"ray start on {self.ip} failed: {err}")

@@ -80,7 +80,7 @@ def _reading(text: str) -> Optional[float]:
 
 
 class SystemMonitor:
-    """`object_store=True` reads the object stores' usage through a Ray internal (`internals.ray_stats`):
+    """`object_store=True` reads the object stores' usage through a Ray internal (`adapter.speedups.object_store_bytes`):
     pass the run's speed-up switch."""
 
     def __init__(self, interval_s: float = INTERVAL_S, object_store: bool = True) -> None:
@@ -167,6 +167,6 @@ class SystemMonitor:
 
     @staticmethod
     def _object_store_bytes(nodes: list[dict[str, Any]]) -> Optional[tuple[float, float]]:
-        from rlplatform.internals.ray_stats import object_store_bytes
+        from rlplatform.adapter.speedups import object_store_bytes
 
         return object_store_bytes(nodes)

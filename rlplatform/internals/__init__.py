@@ -1,4 +1,4 @@
-"""Every use of a private Ray, RLlib or torch symbol in the project: one home, one switch, one version gate.
+"""The speed-ups' package: every private Ray, RLlib or torch use; one home, one switch, one version gate.
 
 The speed-ups here (what makes the default run fast; docs/performance.md) replace or reach into
 parts of RLlib, Ray and torch that promise nothing across releases. Each is listed in
@@ -79,7 +79,7 @@ def install_in_process() -> None:
 
 def env_runner_class(config: Any) -> Optional[type]:
     """The lean env runner for single-agent experiments (it falls back to RLlib's path where it does not apply);
-    its torch-free kind (remote runners act with a numpy policy) where `numpy_policy_applies`."""
+    the torch-free env runner (`SlimEnvRunner`: remote runners act with a numpy policy) where `numpy_policy_applies`."""
     if config.multi_agent is not None:
         return None
     if numpy_policy_applies(config):
@@ -158,14 +158,15 @@ def learner_class(config: Any) -> Optional[type]:
 
 
 def lean_off_policy_applies(config: Any) -> bool:
-    """DQN and SAC take the flat replay buffer and lean training step: single-agent, feed-forward, whole n_step."""
+    """DQN and SAC take the lean off-policy path (the flat replay buffer and its training step): single-agent,
+    feed-forward, whole n_step."""
     n_step = config.training.get("n_step", 1)
     return (config.algorithm in LEAN_OFF_POLICY_ALGORITHMS and config.multi_agent is None
             and not config.model.use_lstm and isinstance(n_step, int) and not isinstance(n_step, bool))
 
 
 def use_lean_off_policy(algo_config: Any) -> None:
-    """Point an RLlib DQN or SAC config at the lean algorithm class and the flat replay buffer.
+    """Point an RLlib DQN or SAC config at the lean off-policy path's algorithm class and the flat replay buffer.
 
     The buffer's contents go into checkpoints (a few MB for the classic-control presets), so a
     resumed run continues with the experience it had.

@@ -18,11 +18,12 @@ from __future__ import annotations
 import inspect
 import sys
 import types
+from typing import Callable, Optional
 
 
 def _stack_without_source(context: int = 1) -> list[inspect.FrameInfo]:
     frames = []
-    frame = sys._getframe(1)
+    frame: Optional[types.FrameType] = sys._getframe(1)
     while frame is not None:
         frames.append(inspect.FrameInfo(frame, frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name, None, None))
         frame = frame.f_back
@@ -30,6 +31,8 @@ def _stack_without_source(context: int = 1) -> list[inspect.FrameInfo]:
 
 
 class _InspectWithoutSource(types.ModuleType):
+    stack: Callable[..., list[inspect.FrameInfo]]  # set on the instance by install() (an annotation only)
+
     def __getattr__(self, name: str):
         return getattr(inspect, name)
 

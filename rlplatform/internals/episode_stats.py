@@ -11,7 +11,7 @@ def chunk_return(chunk: Any) -> float:
     InfiniteLookbackBuffer's general slicing, 6 % of a 64-env runner's time on CartPole."""
     from ray.rllib.env.utils.infinite_lookback_buffer import InfiniteLookbackBuffer
 
-    rewards = getattr(chunk, "rewards", None)
+    rewards: Any = getattr(chunk, "rewards", None)
     if type(rewards) is not InfiniteLookbackBuffer:  # a multi-agent episode: its agents' returns
         return chunk.get_return()
     return sum(rewards.data[rewards.lookback:])

@@ -24,7 +24,7 @@ import numpy as np
 from ray.rllib.env.single_agent_episode import SingleAgentEpisode
 from ray.rllib.env.utils.infinite_lookback_buffer import InfiniteLookbackBuffer
 
-EPISODE_SLOTS = tuple(copyreg._slotnames(SingleAgentEpisode))
+EPISODE_SLOTS = tuple(copyreg._slotnames(SingleAgentEpisode))  # type: ignore[attr-defined]  # not in typeshed
 # How a column (one attribute across all episodes) is packed.
 INLINE, ARRAYS, SCALARS, BUFFERS, BUFFER_DICTS = range(5)
 

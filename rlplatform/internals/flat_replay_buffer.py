@@ -1,4 +1,4 @@
-"""A replay buffer of transitions in preallocated flat arrays, for the lean DQN and SAC training step.
+"""A replay buffer of transitions in preallocated flat arrays, for the lean off-policy path (DQN and SAC's training step).
 
 RLlib's `EpisodeReplayBuffer` keeps whole episodes and, on every `sample()`, slices one episode per
 row, sums its n-step return with `scipy.signal.lfilter`, builds a new `SingleAgentEpisode` per row
@@ -194,6 +194,7 @@ class FlatReplayBuffer:
         return batch
 
     def _prioritized(self, num_items: int, beta: float) -> tuple[np.ndarray, np.ndarray]:
+        assert self.trees is not None  # called for a prioritized buffer only
         total = self.trees.total()
         masses = (np.arange(num_items) + self.rng.random(num_items)) * (total / num_items)
         indices = np.minimum(self.trees.find(np.minimum(masses, total * (1 - 1e-12))), self.size - 1)
@@ -207,6 +208,8 @@ class FlatReplayBuffer:
         if self.trees is None:
             return
         indices = self.last_indices if indices is None else indices
+        if indices is None:
+            raise ValueError("update_priorities: no indices given and no sample drawn yet")
         priorities = np.abs(np.asarray(td_errors, dtype=np.float64)) + TD_PRIORITY_EPS
         self.max_priority = max(self.max_priority, float(priorities.max()))
         # One row drawn twice keeps its last priority, as sequential updates would.

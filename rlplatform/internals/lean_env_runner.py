@@ -19,10 +19,8 @@ returns its episodes as `PackedEpisodes` (internals/episode_transport.py), which
 
 from __future__ import annotations
 
-from typing import Any, Optional
-
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Optional
 
 import gymnasium as gym
 import numpy as np
@@ -50,6 +48,8 @@ LEAN_ACTION_SPACES = (gym.spaces.Discrete, gym.spaces.Box, gym.spaces.MultiDiscr
 
 
 class LeanEnvRunner(SingleAgentEnvRunner):
+    _ongoing_episodes: list[Any]  # SingleAgentEnvRunner's (an annotation only: no class attribute)
+
     def __init__(self, *args: Any, **kwargs: Any):
         install_in_process()  # before EnvRunner.__init__ seeds torch and builds the connector pipelines
         super().__init__(*args, **kwargs)
@@ -98,7 +98,7 @@ class LeanEnvRunner(SingleAgentEnvRunner):
     def _sample(self, *, num_timesteps: Optional[int] = None, num_episodes: Optional[int] = None, explore: bool,
                 random_actions: bool = False, force_reset: bool = False) -> list:
         if not self.lean or random_actions or num_timesteps is None:
-            # RLlib's path needs its cached connector output, which the lean path does not keep.
+            # RLlib's path needs its cached connector output, which this runner's array path does not keep.
             stale = self._next_obs is not None
             self._next_obs = None
             return super()._sample(num_timesteps=num_timesteps, num_episodes=num_episodes, explore=explore,
@@ -108,6 +108,7 @@ class LeanEnvRunner(SingleAgentEnvRunner):
     def _sample_lean(self, num_timesteps: int, explore: bool, force_reset: bool) -> list:
         if force_reset or self._needs_initial_reset or self._next_obs is None:
             self._reset_lean(explore)
+        assert self._next_obs is not None  # set by _reset_lean
         self.module.eval()  # once per fragment, not around every forward pass as RLlib does
         episodes, done_episodes, ts = self._ongoing_episodes, [], 0
         runners = self.config.num_env_runners or 1
@@ -199,7 +200,7 @@ class LeanEnvRunner(SingleAgentEnvRunner):
 
 def _categorical_actions(logits: "torch.Tensor", explore: bool) -> dict[str, "torch.Tensor"]:
     """TorchCategorical's sample (or its deterministic argmax) and log-prob, without building a
-    torch.distributions object per step (a third of the lean path's time on CartPole)."""
+    torch.distributions object per step (a third of the array path's time on CartPole)."""
     import torch
 
     if not explore:  # TorchDeterministic: argmax, and a log-prob of zeros
@@ -211,7 +212,7 @@ def _categorical_actions(logits: "torch.Tensor", explore: bool) -> dict[str, "to
 
 
 def lean_path_applies(runner: SingleAgentEnvRunner) -> bool:
-    """The lean path computes exactly what RLlib's default pipelines would, and only then is used."""
+    """The array path (`self.lean`) computes exactly what RLlib's default pipelines would, and only then is used."""
     module = runner.module
     return (
         module is not None

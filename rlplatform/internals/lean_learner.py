@@ -24,13 +24,15 @@ flat tensor batches with `LeanMiniBatchIterator` (the same minibatches to the bi
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 import numpy as np
 from ray.rllib.algorithms.appo.torch.appo_torch_learner import APPOTorchLearner
 from ray.rllib.algorithms.impala.torch.impala_torch_learner import IMPALATorchLearner
 from ray.rllib.algorithms.ppo.ppo import (
-    LEARNER_RESULTS_KL_KEY, LEARNER_RESULTS_VF_EXPLAINED_VAR_KEY, LEARNER_RESULTS_VF_LOSS_UNCLIPPED_KEY,
+    LEARNER_RESULTS_KL_KEY,
+    LEARNER_RESULTS_VF_EXPLAINED_VAR_KEY,
+    LEARNER_RESULTS_VF_LOSS_UNCLIPPED_KEY,
 )
 from ray.rllib.algorithms.ppo.torch.ppo_torch_learner import PPOTorchLearner
 from ray.rllib.core.columns import Columns
@@ -41,16 +43,19 @@ from ray.rllib.core.rl_module.rl_module import RLModule
 from ray.rllib.core.rl_module.torch.torch_rl_module import TorchRLModule
 from ray.rllib.evaluation.postprocessing import Postprocessing
 from ray.rllib.policy.sample_batch import MultiAgentBatch, SampleBatch
-from ray.rllib.utils.minibatch_utils import MiniBatchCyclicIterator
-from ray.rllib.utils.metrics import DIFF_NUM_GRAD_UPDATES_VS_SAMPLER_POLICY, WEIGHTS_SEQ_NO
 from ray.rllib.utils.framework import try_import_torch
+from ray.rllib.utils.metrics import DIFF_NUM_GRAD_UPDATES_VS_SAMPLER_POLICY, WEIGHTS_SEQ_NO
+from ray.rllib.utils.minibatch_utils import MiniBatchCyclicIterator
 from ray.rllib.utils.torch_utils import explained_variance
 
 from rlplatform.internals import install_in_process
 
-# RLlib's stub where torch is not loaded: a torch-free env runner (internals/slim_env_runner.py) loads this
-# module when it unpickles its AlgorithmConfig, which names these learners; it never builds one.
-torch, _ = try_import_torch()
+if TYPE_CHECKING:
+    import torch
+else:
+    # RLlib's stub where torch is not loaded: a torch-free env runner (internals/slim_env_runner.py) loads this
+    # module when it unpickles its AlgorithmConfig, which names these learners; it never builds one.
+    torch, _ = try_import_torch()
 
 
 def _fused_adam_supported(params: list[torch.Tensor]) -> bool:
@@ -58,7 +63,7 @@ def _fused_adam_supported(params: list[torch.Tensor]) -> bool:
     return len(devices) == 1 and devices <= {"cpu", "cuda"} and all(p.dtype == torch.float32 for p in params)
 
 
-class EagerAdam(torch.optim.Adam if torch is not None else object):
+class EagerAdam(torch.optim.Adam if torch is not None else object):  # type: ignore[misc]  # conditional: object without torch
     """Adam for a learner that torch never compiles: the same steps, without importing torch's compiler.
 
     torch wraps `step`, `zero_grad`, `add_param_group`, `state_dict` and `load_state_dict` so that a
@@ -118,6 +123,20 @@ def _train_mode_held(multi_module) -> Iterator[None]:
 class LeanUpdate:
     """Mixin for a TorchLearner subclass; keep it first in the bases."""
 
+    # What this mixin reads of the RLlib learner it is mixed into (annotations only: no class attributes).
+    config: Any
+    metrics: Any
+    module: Any
+    _module: Any
+    _params: Any
+    _weights_seq_no: int
+    _grad_scalers: Any
+    _lr_scheduler_classes: Any
+    _module_optimizers: Any
+    get_parameters: Any
+    get_optimizer: Any
+    register_optimizer: Any
+
     def __init__(self, *args, **kwargs):
         install_in_process()  # before the learner builds its connector pipeline
         super().__init__(*args, **kwargs)
@@ -164,7 +183,7 @@ class LeanUpdate:
             or any(g is None for g in grads)
             or not _all_finite(grads)
         ):
-            return super().apply_gradients(gradients_dict)
+            return super().apply_gradients(gradients_dict)  # type: ignore[misc]  # mixin: on the RLlib class in the MRO
         for param_ref, grad in gradients_dict.items():
             self._params[param_ref].grad = grad
         for module_id, optimizer_names in self._module_optimizers.items():

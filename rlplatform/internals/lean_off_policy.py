@@ -37,8 +37,16 @@ import numpy as np
 import torch
 from ray.rllib.algorithms.dqn.dqn import DQN, calculate_rr_weights
 from ray.rllib.algorithms.dqn.dqn_learner import (
-    LAST_TARGET_UPDATE_TS, NUM_TARGET_UPDATES, QF_LOSS_KEY, QF_MAX_KEY, QF_MEAN_KEY, QF_MIN_KEY, QF_NEXT_PREDS,
-    QF_PREDS, QF_TARGET_NEXT_PREDS, TD_ERROR_MEAN_KEY,
+    LAST_TARGET_UPDATE_TS,
+    NUM_TARGET_UPDATES,
+    QF_LOSS_KEY,
+    QF_MAX_KEY,
+    QF_MEAN_KEY,
+    QF_MIN_KEY,
+    QF_NEXT_PREDS,
+    QF_PREDS,
+    QF_TARGET_NEXT_PREDS,
+    TD_ERROR_MEAN_KEY,
 )
 from ray.rllib.algorithms.dqn.torch.dqn_torch_learner import DQNTorchLearner
 from ray.rllib.algorithms.sac.sac import SAC
@@ -52,10 +60,20 @@ from ray.rllib.core.rl_module.apis import TargetNetworkAPI
 from ray.rllib.execution.rollout_ops import synchronous_parallel_sample
 from ray.rllib.policy.sample_batch import MultiAgentBatch, SampleBatch
 from ray.rllib.utils.metrics import (
-    ALL_MODULES, ENV_RUNNER_RESULTS, ENV_RUNNER_SAMPLING_TIMER, LEARNER_RESULTS, LEARNER_UPDATE_TIMER,
-    NUM_AGENT_STEPS_SAMPLED_LIFETIME, NUM_ENV_STEPS_SAMPLED_LIFETIME, REPLAY_BUFFER_ADD_DATA_TIMER,
-    REPLAY_BUFFER_RESULTS, REPLAY_BUFFER_SAMPLE_TIMER, REPLAY_BUFFER_UPDATE_PRIOS_TIMER, SYNCH_WORKER_WEIGHTS_TIMER,
-    TD_ERROR_KEY, TIMERS,
+    ALL_MODULES,
+    ENV_RUNNER_RESULTS,
+    ENV_RUNNER_SAMPLING_TIMER,
+    LEARNER_RESULTS,
+    LEARNER_UPDATE_TIMER,
+    NUM_AGENT_STEPS_SAMPLED_LIFETIME,
+    NUM_ENV_STEPS_SAMPLED_LIFETIME,
+    REPLAY_BUFFER_ADD_DATA_TIMER,
+    REPLAY_BUFFER_RESULTS,
+    REPLAY_BUFFER_SAMPLE_TIMER,
+    REPLAY_BUFFER_UPDATE_PRIOS_TIMER,
+    SYNCH_WORKER_WEIGHTS_TIMER,
+    TD_ERROR_KEY,
+    TIMERS,
 )
 from ray.rllib.utils.numpy import convert_to_numpy
 
@@ -65,6 +83,11 @@ from rlplatform.internals.lean_learner import EagerAdam, LeanUpdate, _fused_adam
 FLAT_BUFFER_FOR = {"EpisodeReplayBuffer": False, "PrioritizedEpisodeReplayBuffer": True}  # RLlib type -> prioritized
 _COLUMNS = {"obs": Columns.OBS, "new_obs": Columns.NEXT_OBS, "actions": Columns.ACTIONS, "rewards": Columns.REWARDS,
             "terminateds": Columns.TERMINATEDS, "n_step": "n_step", "weights": "weights"}
+
+
+def rows_to_batch(rows: dict[str, Any], env_steps: int) -> MultiAgentBatch:
+    """Rows sampled from the flat buffer as the one-module `MultiAgentBatch` a learner updates on."""
+    return MultiAgentBatch({DEFAULT_MODULE_ID: SampleBatch({_COLUMNS[k]: v for k, v in rows.items()})}, env_steps=env_steps)
 
 
 # ---- the training step ------------------------------------------------------------------------------
@@ -78,18 +101,26 @@ class LeanOffPolicyTraining:
 
     BUFFER_STATE_KEY = "flat_replay_buffer"
 
+    # What this mixin reads of the RLlib algorithm it is mixed into (annotations only: no class attributes).
+    config: Any
+    metrics: Any
+    env_runner_group: Any
+    learner_group: Any
+    local_replay_buffer: Any
+    _module_is_stateful: bool
+
     @property
     def saves_replay_buffer(self) -> bool:
         return isinstance(self.local_replay_buffer, FlatReplayBuffer) and bool(self.config.store_buffer_in_checkpoints)
 
     def get_state(self, *args, **kwargs) -> dict:
-        state = super().get_state(*args, **kwargs)
+        state = super().get_state(*args, **kwargs)  # type: ignore[misc]  # mixin: on the RLlib class in the MRO
         if self.saves_replay_buffer and not kwargs.get("components"):
             state[self.BUFFER_STATE_KEY] = self.local_replay_buffer.get_state()
         return state
 
     def set_state(self, state: dict) -> None:
-        super().set_state(state)
+        super().set_state(state)  # type: ignore[misc]  # mixin: on the RLlib class in the MRO
         if self.BUFFER_STATE_KEY in state and isinstance(self.local_replay_buffer, FlatReplayBuffer):
             self.local_replay_buffer.set_state(state[self.BUFFER_STATE_KEY])
 
@@ -98,7 +129,8 @@ class LeanOffPolicyTraining:
         settings = dict(config.get("replay_buffer_config") or {})
         kind = settings.get("type")
         if not isinstance(kind, str) or kind not in FLAT_BUFFER_FOR or not isinstance(config.n_step, int):
-            return super()._create_local_replay_buffer_if_necessary(config)
+            return super()._create_local_replay_buffer_if_necessary(  # type: ignore[misc]  # mixin: on the RLlib class in the MRO
+                config)
         return FlatReplayBuffer(
             capacity=int(settings.get("capacity", 100_000)),
             gamma=config.gamma,
@@ -111,7 +143,7 @@ class LeanOffPolicyTraining:
 
     def training_step(self) -> None:
         if not isinstance(self.local_replay_buffer, FlatReplayBuffer) or self._module_is_stateful:
-            return super().training_step()
+            return super().training_step()  # type: ignore[misc]  # mixin: on the RLlib class in the MRO
         store_weight, train_weight = calculate_rr_weights(self.config)
         for _ in range(store_weight):
             self._sample_into_buffer()
@@ -160,8 +192,7 @@ class LeanOffPolicyTraining:
         for _ in range(calls):
             with self.metrics.log_time((TIMERS, REPLAY_BUFFER_SAMPLE_TIMER)):
                 rows = buffer.sample(size * per_call, beta=self.config.replay_buffer_config.get("beta"))
-                batch = MultiAgentBatch({DEFAULT_MODULE_ID: SampleBatch({_COLUMNS[k]: v for k, v in rows.items()})},
-                                        env_steps=size * per_call)
+                batch = rows_to_batch(rows, size * per_call)
             with self.metrics.log_time((TIMERS, LEARNER_UPDATE_TIMER)):
                 results = self.learner_group.update(
                     batch=batch, minibatch_size=self.config.train_batch_size_per_learner, timesteps=timesteps)
@@ -200,6 +231,20 @@ LEAN_ALGORITHMS = {"DQN": LeanDQN, "SAC": LeanSAC}
 class LeanOffPolicyUpdate(LeanUpdate):
     """Mixin for the DQN and SAC torch learners: `update(batch=...)` of k stacked minibatches in one call."""
 
+    # What this mixin reads of the RLlib learner it is mixed into, beyond LeanUpdate's (annotations only).
+    device: Any
+    last_update_ts_by_mid: Any
+    TOTAL_LOSS_KEY: str
+    _check_is_built: Any
+    before_gradient_based_update: Any
+    _log_steps_trained_metrics: Any
+    filter_param_dict_for_optimizer: Any
+    get_optimizers_for_module: Any
+    postprocess_gradients: Any
+    # ... and of the concrete learners below.
+    lean_loss_and_gradients: Any
+    _lean_loss_applies: Any
+
     def update(self, *args, **kwargs):
         batch, minibatch_size = _flat_batch(args, kwargs), kwargs.get("minibatch_size")
         module_id = self._flat_module_id(batch, minibatch_size)
@@ -229,6 +274,7 @@ class LeanOffPolicyUpdate(LeanUpdate):
             self.metrics.log_value((module_id, TD_ERROR_KEY), torch.cat(td_errors), reduce="item_series")
             for name, value in stats.items():
                 self.metrics.log_value((module_id, name), value, window=1)
+            assert loss is not None  # at least one minibatch: torch.cat above refuses an empty list
             self.metrics.log_value((module_id, self.TOTAL_LOSS_KEY), loss.detach(), window=1)
         self._log_steps_trained_metrics(batch)
         return self.metrics.reduce()
@@ -249,7 +295,7 @@ class LeanOffPolicyUpdate(LeanUpdate):
 
     def configure_optimizers(self) -> None:
         self.__dict__.pop("_lean_param_groups", None)
-        super().configure_optimizers()
+        super().configure_optimizers()  # type: ignore[misc]  # mixin: on the RLlib class in the MRO
 
     def _optimizer_params(self, module_id: str) -> dict[str, list]:
         """Each optimizer's parameters, in its registration order (cached: they are asked for every minibatch)."""
@@ -416,7 +462,7 @@ class LeanSACTorchLearner(LeanOffPolicyUpdate, SACTorchLearner):
                  LOGPS_KEY: torch.mean(logp_resampled).detach(), QF_MEAN_KEY: torch.mean(q_curr).detach(),
                  QF_MAX_KEY: torch.max(q_curr).detach(), QF_MIN_KEY: torch.min(q_curr).detach(),
                  TD_ERROR_MEAN_KEY: torch.mean(td_error).detach()}
-        if config.twin_q:
+        if critic_twin_loss is not None:  # config.twin_q
             stats[QF_TWIN_LOSS_KEY] = critic_twin_loss.detach()
         return total_loss, stats, td_error.detach(), grads
 

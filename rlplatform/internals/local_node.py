@@ -1,4 +1,5 @@
-"""A private local Ray node started lean: Ray-side internals (ray 2.60.0), behind the speed-up switch.
+"""The lean local node start: a private local Ray node with fewer processes and waits, through Ray's private
+API (ray 2.60.0), behind the speed-ups' switch.
 
 `infra.local_ray.connect` uses `lean_local_node()` and `system_config()` only when
 `internals.enabled(...)` says so; otherwise it calls plain `ray.init(address="local", ...)`.
@@ -28,6 +29,15 @@ def system_config(prestart_workers: bool) -> dict[str, Any]:
     return {**FAST_LOCAL_START, **NO_TASK_EVENTS, "prestart_worker_first_driver": prestart_workers}
 
 
+def init(init_kwargs: dict[str, Any], prestart_workers: bool) -> None:
+    """`ray.init(**init_kwargs)` of a private local instance, started by the lean local node start
+    (`lean_local_node`, `system_config`)."""
+    import ray
+
+    with lean_local_node():
+        ray.init(**init_kwargs, _system_config=system_config(prestart_workers))
+
+
 @contextlib.contextmanager
 def lean_local_node() -> Iterator[None]:
     """While `ray.init` builds a private local node, build it without three Python processes.
@@ -47,6 +57,7 @@ def lean_local_node() -> Iterator[None]:
     import ray._private.node as node_module
     import ray._private.utils as ray_utils
 
+    original: Any  # a base class below: mypy takes no variable of another type as one
     original, original_dependency_check = node_module.Node, ray_utils.get_dashboard_dependency_error
 
     class LeanLocalNode(original):
@@ -109,6 +120,7 @@ def _free_ports(count: int) -> list[int]:
 def _announce_agent_listen_port(session_dir: str, node_id: str, port: int) -> None:
     """The raylet takes no flag for the dashboard agent's HTTP port and always waits for its file:
     write that file with the port the agent is told to bind (the agent writes it again once bound)."""
-    from ray._raylet import DASHBOARD_AGENT_LISTEN_PORT_NAME, persist_port
+    # ray's _raylet.pyi stub leaves out these two, which the compiled module has (ray 2.60.0).
+    from ray._raylet import DASHBOARD_AGENT_LISTEN_PORT_NAME, persist_port  # type: ignore[attr-defined]
 
     persist_port(session_dir, node_id, DASHBOARD_AGENT_LISTEN_PORT_NAME, port)

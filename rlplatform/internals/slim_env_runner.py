@@ -1,22 +1,25 @@
-"""The lean env runner without torch: a remote runner process that acts with a numpy policy.
+"""The torch-free env runner: a lean env runner whose remote runner process acts with a numpy policy and never loads torch.
 
 A remote env runner imported torch (~126 MB of private memory: its op registrations) and RLlib's
 torch modules only to run an MLP's forward pass and sample an action (docs/performance.md, memory
 per runner). RLlib has a test hook for that: with `RLLIB_TEST_NO_TORCH_IMPORT` in the environment,
 `ray.rllib.utils.framework.try_import_torch` returns stubs, and RLlib loads without torch.
 
-This module sets that variable when it is imported first thing in a fresh Ray worker process
-(RLlib and torch not loaded yet) whose task is creating a SlimEnvRunner actor: Ray imports it there
-to unpickle the actor class, before it unpickles the AlgorithmConfig and anything else that would
-load RLlib. The driver and the
-algorithm host have loaded RLlib (and torch) before they import this module, so nothing changes
-there. Whether an experiment may use it is decided on the driver
-(`internals.numpy_policy_applies`): only then is this class the env runner class.
+`install_in_torch_free_worker()` sets that variable in a fresh Ray worker process (RLlib and torch
+not loaded yet) whose task is creating a SlimEnvRunner actor, and nowhere else. It has to run before
+RLlib's first import in that process, because RLlib's modules call `try_import_torch` as they are
+imported; and the first import of RLlib there is this module's own (Ray imports this module to
+unpickle the actor class, before the AlgorithmConfig or anything else that would load RLlib). So it
+is called from the top of this module, before its imports: the one call in internals/ made while a
+module is imported (docs/internals.md). In any other process it changes nothing: the driver and the
+algorithm host have loaded RLlib (and torch) before they import this module, and other actors
+(learners, aggregators) are not creating a SlimEnvRunner. Whether an experiment may use it is decided
+on the driver (`internals.numpy_policy_applies`): only then is this class the env runner class.
 
 In such a process (`TORCH_FREE`) the runner's module is a `NumpyPolicy` (internals/numpy_policy.py)
-that takes the inference-only weights RLlib syncs, and the lean path computes actions with it.
+that takes the inference-only weights RLlib syncs, and the lean env runner's array path computes actions with it.
 RLlib's device lookup (`get_device`, which needs torch) answers "cpu" here, the env-to-module
-pipeline is not run at env resets (the lean path never reads its output) and torch is not seeded.
+pipeline is not run at env resets (the array path never reads its output) and torch is not seeded.
 Anywhere else (the local runner, a worker that loaded RLlib already) this is the LeanEnvRunner.
 """
 
@@ -50,13 +53,19 @@ def _starting_a_slim_runner() -> bool:
     return f"{__name__}.SlimEnvRunner." in task
 
 
-if NO_TORCH_FLAG not in os.environ and _starting_a_slim_runner():
-    os.environ[NO_TORCH_FLAG] = "1"
-    # try_import_torch logs "Not importing PyTorch for test purposes." at every call while the flag is set.
-    logging.getLogger("ray.rllib.utils.framework").setLevel(logging.ERROR)
-TORCH_FREE = NO_TORCH_FLAG in os.environ and "torch" not in sys.modules
+def install_in_torch_free_worker() -> bool:
+    """In a fresh Ray worker creating a SlimEnvRunner, set RLlib's no-torch hook (before RLlib loads); elsewhere
+    nothing. Whether this process runs torch-free: the hook is set and torch is not loaded."""
+    if NO_TORCH_FLAG not in os.environ and _starting_a_slim_runner():
+        os.environ[NO_TORCH_FLAG] = "1"
+        # try_import_torch logs "Not importing PyTorch for test purposes." at every call while the flag is set.
+        logging.getLogger("ray.rllib.utils.framework").setLevel(logging.ERROR)
+    return NO_TORCH_FLAG in os.environ and "torch" not in sys.modules
 
-import gymnasium as gym  # noqa: E402  (after the flag: everything below may load RLlib)
+
+TORCH_FREE = install_in_torch_free_worker()  # before the imports below: the first of RLlib in a torch-free env runner's process
+
+import gymnasium as gym  # noqa: E402  (after the hook: everything below may load RLlib)
 from ray.rllib.env import single_agent_env_runner  # noqa: E402
 
 from rlplatform.internals.lean_env_runner import LeanEnvRunner  # noqa: E402
@@ -68,6 +77,8 @@ def _cpu_device(config: Any, num_gpus_requested: Any = 0) -> str:
 
 
 class SlimEnvRunner(LeanEnvRunner):
+    module: Any  # RLlib's RLModule, or in a torch-free process the numpy policy (None while RLlib's own path runs)
+
     def __init__(self, *args: Any, **kwargs: Any):
         if TORCH_FREE:
             single_agent_env_runner.get_device = _cpu_device  # RLlib's needs torch; a CPU runner is all this process runs
@@ -91,7 +102,7 @@ class SlimEnvRunner(LeanEnvRunner):
         if not TORCH_FREE:
             super()._reset_envs(episodes, shared_data, explore)
             return
-        module, self.module = self.module, None  # RLlib's pipeline would make tensors; the lean path reads none
+        module, self.module = self.module, None  # RLlib's pipeline would make tensors; the array path reads none
         try:
             super()._reset_envs(episodes, shared_data, explore)
         finally:

@@ -9,16 +9,22 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
+from rlplatform import console
 from rlplatform.config.schema import ExperimentConfig
 from rlplatform.errors import TrainingFailed
-from rlplatform.run import progress, run_dir as rundir
-from rlplatform.run.checkpoints import CheckpointManager
+from rlplatform.run import progress
+from rlplatform.run import run_dir as rundir
+from rlplatform.run.checkpoints import CheckpointInfo, CheckpointManager
 from rlplatform.run.plan import Plan
 
+if TYPE_CHECKING:
+    from rlplatform.run.algorithm_host import Host
+    from rlplatform.run.metrics import RunLogger
+
 STALL_TIMEOUT_S = 300.0
-# A process that a shell exec'd keeps the shell's creation time (`bash -c 'pip install ... && python -m
+# A process that a shell exec'd keeps the shell's creation time (`bash -c 'pip install ... && python -metrics
 # rlplatform train'` runs its last command in bash's own process), while Python reaches this package
 # within tens of milliseconds of its start: a creation time older than that by more is the shell's.
 EXEC_GRACE_S = 1.0
@@ -31,25 +37,25 @@ class StopFlag:
         self.reason: Optional[str] = None
         self._previous = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
 
-    def _handle(self, signum, _frame) -> None:
+    def _handle(self, signum: int, _frame: Any) -> None:
         if self.reason is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt
         self.reason = signal.Signals(signum).name
-        progress.console.print(f"[yellow]{self.reason}: finishing this iteration, then checkpointing[/]")
+        console.stdout.print(f"[yellow]{self.reason}: finishing this iteration, then checkpointing[/]")
 
     def restore(self) -> None:
         for s, handler in self._previous.items():
             signal.signal(s, handler)
 
 
-def stop_reason(config: ExperimentConfig, m: dict[str, Any], window_full: bool, wall_s: float) -> Optional[str]:
+def stop_reason(config: ExperimentConfig, metrics: dict[str, Any], window_full: bool, wall_s: float) -> Optional[str]:
     stop = config.stop
-    if stop.return_mean is not None and window_full and m.get("return/mean", float("-inf")) >= stop.return_mean:
-        return f"return/mean {m['return/mean']:.2f} >= {stop.return_mean:g}"
-    if stop.env_steps is not None and m["env_steps"] >= stop.env_steps:
-        return f"env steps {m['env_steps']:,} >= {stop.env_steps:,}"
-    if stop.iterations is not None and m["iteration"] >= stop.iterations:
-        return f"iterations {m['iteration']} >= {stop.iterations}"
+    if stop.return_mean is not None and window_full and metrics.get("return/mean", float("-inf")) >= stop.return_mean:
+        return f"return/mean {metrics['return/mean']:.2f} >= {stop.return_mean:g}"
+    if stop.env_steps is not None and metrics["env_steps"] >= stop.env_steps:
+        return f"env steps {metrics['env_steps']:,} >= {stop.env_steps:,}"
+    if stop.iterations is not None and metrics["iteration"] >= stop.iterations:
+        return f"iterations {metrics['iteration']} >= {stop.iterations}"
     if stop.wall_time_s is not None and wall_s >= stop.wall_time_s:
         return f"wall time {wall_s:.0f} s >= {stop.wall_time_s:g} s"
     return None
@@ -60,13 +66,13 @@ class RunSession:
     the checkpoints. `train_loop` drives one until a stop reason; a Tune trial (`run/trial.py`) drives one an
     iteration per Tune step. Either way the run directory is written the same way."""
 
-    def __init__(self, plan: Plan, started: float, resume_from=None, record_placement: bool = True,
-                 hparams: Optional[dict[str, Any]] = None):
+    def __init__(self, plan: Plan, started: float, resume_from: Optional[CheckpointInfo] = None,
+                 record_placement: bool = True, hparams: Optional[dict[str, Any]] = None) -> None:
         from rlplatform.infra.system_monitor import SystemMonitor
         from rlplatform.run.metrics import EpisodeWindow, RunLogger
 
-        self.plan, self.config, self.run_dir, self.started = plan, plan.config, plan.run_dir, started
-        self.host = _start_host(plan, resume_from, record_placement=record_placement)
+        self.plan, self.config, self.run_dir, self.started = plan, plan.config, plan.require_run_dir(), started
+        self.host: Optional[Host] = _start_host(plan, resume_from, record_placement=record_placement)
         self.window, self.wall_before = EpisodeWindow(), 0.0
         self.checkpoints = CheckpointManager(self.run_dir / "checkpoints", self.config.checkpoint.keep_last,
                                              self.config.checkpoint.keep_best)
@@ -85,19 +91,24 @@ class RunSession:
     def iterate(self) -> dict[str, Any]:
         """One training step: the algorithm's result in our tags, with the window, the system readings and the
         wall time, logged. Raises HostFailed when the step fails (see `restart`)."""
-        m = self.host.call("train")
-        self.window.add(m.pop("episode_returns"), m.pop("episode_lengths"))
+        metrics = self._live_host().call("train")
+        self.window.add(metrics.pop("episode_returns"), metrics.pop("episode_lengths"))
         wall_s = self.wall_before + time.time() - self.started
-        m.update(self.window.summary(), **self.monitor.sample(), wall_time_s=wall_s, timestamp=time.time())
+        metrics.update(self.window.summary(), **self.monitor.sample(), wall_time_s=wall_s, timestamp=time.time())
         if self.config.max_failures:
-            m["faults/run_restarts"] = len(self.restarts)
-        self.logger.log(m)
-        self.last = m
-        self.stall.update(m)
-        return m
+            metrics["faults/run_restarts"] = len(self.restarts)
+        self.logger.log(metrics)
+        self.last = metrics
+        self.stall.update(metrics)
+        return metrics
 
-    def stop_reason(self, m: dict[str, Any]) -> Optional[str]:
-        return stop_reason(self.config, m, self.window.full, m["wall_time_s"])
+    def _live_host(self) -> Host:
+        if self.host is None:
+            raise TrainingFailed("the algorithm is gone: its host was closed")
+        return self.host
+
+    def stop_reason(self, metrics: dict[str, Any]) -> Optional[str]:
+        return stop_reason(self.config, metrics, self.window.full, metrics["wall_time_s"])
 
     def restart(self, exc: BaseException) -> None:
         """The training step failed: rebuild the algorithm from the newest checkpoint that verifies (within
@@ -106,7 +117,7 @@ class RunSession:
 
         if len(self.restarts) >= self.config.max_failures:
             raise TrainingFailed(str(exc) if not self.restarts else f"{exc} (after {len(self.restarts)} restart(s))") from None
-        self.host.close()
+        self._live_host().close()
         self.host = None
         resume_from = _record_restart(self.run_dir, self.restarts, exc, self.config.max_failures)
         self.host = _start_host(self.plan, resume_from)
@@ -116,19 +127,19 @@ class RunSession:
         self.window = EpisodeWindow.from_state(resume_from.meta.get("episode_window") if resume_from else None)
         self.stall = StallGuard()
 
-    def save(self, m: dict[str, Any]) -> Path:
-        """A complete-or-nothing checkpoint of iteration `m`; a write that fails ends the run (TrainingFailed)."""
+    def save(self, metrics: dict[str, Any]) -> Path:
+        """A complete-or-nothing checkpoint of iteration `metrics`; a write that fails ends the run (TrainingFailed)."""
         from rlplatform.run.algorithm_host import HostFailed
 
         try:
             return self.checkpoints.save(
-                lambda path: self.host.call("save", path),
-                iteration=m["iteration"], env_steps=m["env_steps"], score=_score(m),
-                meta={"wall_time_s": m["wall_time_s"], "episode_window": self.window.state(),
+                lambda path: self._live_host().call("save", path),
+                iteration=metrics["iteration"], env_steps=metrics["env_steps"], score=_score(metrics),
+                meta={"wall_time_s": metrics["wall_time_s"], "episode_window": self.window.state(),
                       "config": self.config.model_dump()},
             )
         except (OSError, HostFailed) as exc:
-            raise TrainingFailed(_checkpoint_failed(f"checkpoint {m['iteration']} could not be written", exc, self.checkpoints)) from None
+            raise TrainingFailed(_checkpoint_failed(f"checkpoint {metrics['iteration']} could not be written", exc, self.checkpoints)) from None
 
     def close(self, saved: Optional[Path] = None, failed: bool = False) -> None:
         self.logger.finish(saved, failed=failed)
@@ -142,33 +153,33 @@ class RunSession:
 def train_loop(plan: Plan) -> int:
     from rlplatform.run.algorithm_host import HostFailed
 
-    config, run_dir = plan.config, plan.run_dir
+    config, run_dir = plan.config, plan.require_run_dir()
     started = command_start_time()  # wall time counts from the command's start, Ray start-up included
     progress.print_start(run_dir, config, plan.resources.describe())
     if plan.layout_note:
-        progress.say(plan.layout_note)
+        console.say(plan.layout_note)
     if plan.envs_note:
-        progress.say(plan.envs_note, style="dim")
+        console.say(plan.envs_note, style="dim")
     session = RunSession(plan, started, plan.resume_from)
     stop_flag = StopFlag()
-    startup = {"ray_ready_s": (plan.ray_ready_at or started) - started, "algorithm_ready_s": time.time() - started}
+    startup: Optional[dict[str, float]] = {"ray_ready_s": (plan.ray_ready_at or started) - started, "algorithm_ready_s": time.time() - started}
     saved: Optional[Path] = None
     reason = None
     try:
         while reason is None:
             try:
-                m = session.iterate()
+                metrics = session.iterate()
             except HostFailed as exc:
                 session.restart(exc)
                 continue
-            progress.print_iteration(m, config.scale.env_runners)
+            progress.print_iteration(metrics, config.scale.env_runners)
             if startup is not None:  # the first iteration
-                _record_startup(run_dir, startup, m, time.time() - started)
+                _record_startup(run_dir, startup, metrics, time.time() - started)
                 startup = None
-            reason = session.stop_reason(m) or stop_flag.reason
+            reason = session.stop_reason(metrics) or stop_flag.reason
             every = config.checkpoint.every
-            if reason is not None or (every and m["iteration"] % every == 0):
-                saved = session.save(m)
+            if reason is not None or (every and metrics["iteration"] % every == 0):
+                saved = session.save(metrics)
     except OSError as exc:
         if exc.errno not in NO_ROOM:
             raise
@@ -180,7 +191,7 @@ def train_loop(plan: Plan) -> int:
     return 0
 
 
-def _start_host(plan: Plan, resume_from, record_placement: bool = False):
+def _start_host(plan: Plan, resume_from: Optional[CheckpointInfo], record_placement: bool = False) -> Host:
     """Build the algorithm where the plan says and restore it from `resume_from` (a CheckpointInfo or None)."""
     from rlplatform.run import algorithm_host
     from rlplatform.run.algorithm_host import HostFailed
@@ -190,7 +201,7 @@ def _start_host(plan: Plan, resume_from, record_placement: bool = False):
         host = algorithm_host.start(plan.config, plan.bundles, plan.main_process_resources, plan.resources.describe(),
                                     in_driver=plan.algorithm_in_driver)
         if record_placement:
-            rundir.record_start(plan.run_dir, "placement", {"algorithm_node": host.call("node_id"), "algorithm_in": host.where,
+            rundir.record_start(plan.require_run_dir(), "placement", {"algorithm_node": host.call("node_id"), "algorithm_in": host.where,
                                                             "env_runner_nodes": host.call("env_runner_nodes")})
         if resume_from:
             _say_replay_buffer(host.call("restore", str(resume_from.path.resolve())).get("replay_buffer"))
@@ -205,13 +216,14 @@ def _say_replay_buffer(state: Optional[dict[str, Any]]) -> None:
     if state is None:
         return
     if state["saved"]:
-        progress.say(f"replay buffer: {state['transitions']:,} transitions restored from the checkpoint")
+        console.say(f"replay buffer: {state['transitions']:,} transitions restored from the checkpoint")
     else:
-        progress.say("replay buffer: starts empty (RLlib's own buffers are not in its checkpoints; with "
+        console.say("replay buffer: starts empty (RLlib's own buffers are not in its checkpoints; with "
                      "`speedups: true` single-agent DQN and SAC keep theirs)")
 
 
-def _record_restart(run_dir: Path, restarts: list[dict[str, Any]], exc: BaseException, max_failures: int):
+def _record_restart(run_dir: Path, restarts: list[dict[str, Any]], exc: BaseException,
+                    max_failures: int) -> Optional[CheckpointInfo]:
     """The training step failed: note it in the manifest and pick the newest checkpoint that verifies and loads
     (None: no checkpoint yet, the run starts over)."""
     from rlplatform.errors import UserError
@@ -221,10 +233,10 @@ def _record_restart(run_dir: Path, restarts: list[dict[str, Any]], exc: BaseExce
         resume_from = checkpoint_to_resume(run_dir)
     except UserError:
         resume_from = None
-    restarts.append({"at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "error": str(exc),
+    restarts.append({"at": time.strftime("%Y-%metrics-%dT%H:%M:%S%z"), "error": str(exc),
                      "from_iteration": resume_from.iteration if resume_from else 0})
     rundir.record_start(run_dir, "restarts", restarts)
-    progress.say(f"the training step failed: {exc}; restart {len(restarts)} of at most {max_failures}, "
+    console.say(f"the training step failed: {exc}; restart {len(restarts)} of at most {max_failures}, "
                  f"from {resume_from.path if resume_from else 'the start (no checkpoint yet)'}")
     return resume_from
 
@@ -243,14 +255,14 @@ def _checkpoint_failed(what: str, exc: BaseException, checkpoints: CheckpointMan
     return f"{what} ({cause}); the run stops here, the checkpoints written before are intact (latest: {latest})"
 
 
-def _close_quietly(logger) -> None:
+def _close_quietly(logger: RunLogger) -> None:
     try:
         logger.close()
     except OSError:
         pass
 
 
-def _rewind(run_dir: Path, resume_from, checkpoints: CheckpointManager) -> int:
+def _rewind(run_dir: Path, resume_from: Optional[CheckpointInfo], checkpoints: CheckpointManager) -> int:
     """Every chart and table shows each iteration once: what the iterations after the checkpoint (after none:
     every iteration, when the run starts over) wrote is set aside (metrics rows, checkpoints) or hidden
     (TensorBoard events, by the returned purge step)."""
@@ -259,9 +271,9 @@ def _rewind(run_dir: Path, resume_from, checkpoints: CheckpointManager) -> int:
     k = resume_from.iteration if resume_from else 0
     rows, moved = rewind_record(run_dir, k), checkpoints.roll_back_after(k)
     if resume_from:
-        progress.say(f"resumed from {resume_from.path} (iteration {k})")
+        console.say(f"resumed from {resume_from.path} (iteration {k})")
     if rows or moved:
-        progress.say(f"rolled back what came after iteration {k}: {rows} metrics row(s) to {ROLLED_BACK_FILE}, "
+        console.say(f"rolled back what came after iteration {k}: {rows} metrics row(s) to {ROLLED_BACK_FILE}, "
                      f"{len(moved)} checkpoint(s) to checkpoints/rolled_back/")
     return resume_from.env_steps + 1 if resume_from else 0
 
@@ -271,7 +283,7 @@ def _record_startup(run_dir: Path, startup: dict[str, float], first: dict[str, A
     startup = {**startup, "first_sample_s": startup["algorithm_ready_s"] + (first.get("time/sample_s") or 0.0),
                "first_iteration_s": now_s}
     rundir.record_start(run_dir, "startup", startup)
-    progress.say(
+    console.say(
         f"start-up: Ray ready {startup['ray_ready_s']:.1f} s, algorithm built {startup['algorithm_ready_s']:.1f} s, "
         f"first batch sampled {startup['first_sample_s']:.1f} s after the command started", style="dim")
 
@@ -279,16 +291,16 @@ def _record_startup(run_dir: Path, startup: dict[str, float], first: dict[str, A
 class StallGuard:
     """Fail a run whose env runners keep dying before they sample anything, instead of looping forever."""
 
-    def __init__(self, timeout_s: float = STALL_TIMEOUT_S):
+    def __init__(self, timeout_s: float = STALL_TIMEOUT_S) -> None:
         self.timeout_s = timeout_s
         self._steps = -1
         self._since = time.time()
 
-    def update(self, m: dict[str, Any]) -> None:
-        if m["env_steps"] > self._steps:
-            self._steps, self._since = m["env_steps"], time.time()
+    def update(self, metrics: dict[str, Any]) -> None:
+        if metrics["env_steps"] > self._steps:
+            self._steps, self._since = metrics["env_steps"], time.time()
         elif time.time() - self._since > self.timeout_s:
-            healthy = m.get("faults/healthy_env_runners")
+            healthy = metrics.get("faults/healthy_env_runners")
             raise TrainingFailed(
                 f"no env steps sampled for {self.timeout_s:.0f} s (healthy env runners: {healthy}); "
                 "the env or its runners keep failing - see the worker logs under Ray's session directory"
@@ -316,5 +328,5 @@ def _process_creation_time() -> float:
         return psutil.Process().create_time()
 
 
-def _score(m: dict[str, Any]) -> Optional[float]:
-    return m.get("eval/return_mean", m.get("return/mean"))
+def _score(metrics: dict[str, Any]) -> Optional[float]:
+    return metrics.get("eval/return_mean", metrics.get("return/mean"))

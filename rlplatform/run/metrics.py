@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Iterable, Optional
 
 from rlplatform.adapter.results import ENV_STEPS
+from rlplatform.config.schema import ExperimentConfig
 
 RETURN_WINDOW = 100  # episodes in the smoothed return, as in Gym's "solved" criterion
 METRICS_FILE = "metrics.jsonl"
@@ -67,8 +68,8 @@ class RunLogger:
     iteration (from the tags it really logs); a resumed run already has both.
     """
 
-    def __init__(self, run_dir: Path, config=None, fresh: bool = True, purge_step: Optional[int] = None,
-                 hparams: Optional[dict[str, Any]] = None):
+    def __init__(self, run_dir: Path, config: Optional[ExperimentConfig] = None, fresh: bool = True,
+                 purge_step: Optional[int] = None, hparams: Optional[dict[str, Any]] = None) -> None:
         """`purge_step`: on resume, the first env step after the checkpoint's; TensorBoard hides the events
         the lost iterations wrote at or after it, so no curve runs back over the same env steps.
         `hparams`: values the HParams record holds besides the config's own (a sweep's searched keys)."""
@@ -130,7 +131,8 @@ def rewind_record(run_dir: Path, iteration: int) -> int:
     path = run_dir / METRICS_FILE
     if not path.is_file():
         return 0
-    kept, dropped = [], []
+    kept: list[str] = []
+    dropped: list[str] = []
     for line in path.read_text().splitlines():
         if not line.strip():
             continue

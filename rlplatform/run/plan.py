@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from rlplatform import internals
+from rlplatform.adapter import speedups
 from rlplatform.config.experiment import ResolvedExperiment
 from rlplatform.config.schema import ExperimentConfig
 from rlplatform.config.sizing import Resources, preflight, size_to_cluster
@@ -30,12 +30,18 @@ class Plan:
     ray_ready_at: Optional[float] = None  # time.time() when Ray was up
     algorithm_in_driver: bool = False  # see algorithm_host: a local run in one process, without GPUs
 
+    def require_run_dir(self) -> Path:
+        """The run directory, which `train` and `tune` make once the plan holds (after `--print-config`)."""
+        if self.run_dir is None:
+            raise RuntimeError("the plan has no run directory yet")
+        return self.run_dir
+
 
 def make_plan(resolved: ResolvedExperiment, resources: Resources, joined_cluster: bool, resize: bool) -> Plan:
     from rlplatform.adapter import algorithm_config
     from rlplatform.config import layouts, step_cost
 
-    config = internals.gated(resolved.config)  # the version gate decides once, here, for every process of the run
+    config = speedups.gated(resolved.config)  # the version gate decides once, here, for every process of the run
     algorithm_config.check(config)
     layout_note = envs_note = None
     measured = None
@@ -43,7 +49,8 @@ def make_plan(resolved: ResolvedExperiment, resources: Resources, joined_cluster
         config = size_to_cluster(config, resources, resolved.explicit_keys)
         config, layout_note = layouts.apply_best_layout(config, resources.cpus, resources.gpus, resolved.given_keys)
         if layout_note is None:  # no cached layout for this machine and env: measure the env's step cost
-            config, measured = step_cost.apply_step_cost(config, resolved.given_keys)
+            config, measured = step_cost.apply_step_cost(config, resolved.given_keys,
+                                                          algorithm_config.total_train_batch(config))
             envs_note = step_cost.describe(measured) if measured else None
     envs_choice = _envs_choice(config, resolved, resize, layout_note, measured)
     main_resources = _driver_node_resource() if joined_cluster else {}

@@ -5,20 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional
 
-from rich.console import Console
 from rich.markup import escape
 
-console = Console(highlight=False, soft_wrap=True)
-
-
-def say(text: str, **kwargs: Any) -> None:
-    """A plain line: run directories, commands and other user text are never read as rich markup."""
-    console.print(text, markup=False, **kwargs)
-
-
-def fmt(value: Optional[float], spec: str, missing: str = "-") -> str:
-    """`value` formatted with `spec`, or `missing` where there is none."""
-    return missing if value is None else format(value, spec)
+from rlplatform.config.schema import ExperimentConfig
+from rlplatform.console import fmt, say, stdout
 
 
 def iteration_line(m: dict[str, Any], expected_runners: int) -> str:
@@ -35,24 +25,24 @@ def iteration_line(m: dict[str, Any], expected_runners: int) -> str:
 
 
 def print_iteration(m: dict[str, Any], expected_runners: int) -> None:
-    console.print(iteration_line(m, expected_runners))
+    stdout.print(iteration_line(m, expected_runners))
 
 
-def print_start(run_dir: Path, config, resources: str) -> None:
+def print_start(run_dir: Path, config: ExperimentConfig, resources: str) -> None:
     scale = config.scale
     learners = f"{scale.learners} remote learner(s)" if scale.learners else "learner in the main process"
     gpu = f" on {config.hardware.gpus_per_learner:g} GPU each" if config.hardware.gpus_per_learner else ""
     sampling = (f"{scale.env_runners} env runner(s) x {scale.envs_per_runner} envs ({scale.vectorize})" if scale.env_runners
                 else f"sampling in the main process, {scale.envs_per_runner} envs ({scale.vectorize})")
-    console.print(f"[bold]rlplatform[/] {escape(f'{config.algorithm} on {config.env}: {sampling}, {learners}{gpu}; cluster: {resources}')}")
+    stdout.print(f"[bold]rlplatform[/] {escape(f'{config.algorithm} on {config.env}: {sampling}, {learners}{gpu}; cluster: {resources}')}")
     say(f"run directory: {run_dir}")
 
 
 def print_summary(run_dir: Path, reason: str, last: Optional[dict[str, Any]], checkpoint: Optional[Path], wall_s: float) -> None:
-    console.rule("done")
+    stdout.rule("done")
     say(f"stopped: {reason} after {wall_s:.1f} s")
     if last:
-        console.print(
+        stdout.print(
             f"iterations {last['iteration']}, env steps {last['env_steps']:,}, "
             f"return (last 100 episodes) {fmt(last.get('return/mean'), '.2f')}"
         )

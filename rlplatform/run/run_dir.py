@@ -12,8 +12,8 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-from rlplatform.config.schema import ExperimentConfig
 from rlplatform.config.files import to_yaml
+from rlplatform.config.schema import ExperimentConfig
 from rlplatform.errors import UserError
 
 CONFIG_FILE = "config.yaml"
@@ -97,11 +97,12 @@ def write_manifest(run_dir: Path, config: ExperimentConfig, extra: dict[str, Any
     path.write_text(json.dumps(manifest, indent=1, default=str))
 
 
-def library_versions() -> dict[str, Optional[str]]:
+def library_versions(extra: tuple[str, ...] = ()) -> dict[str, Optional[str]]:
+    """Python's and the installed versions of our main libraries (None where one is missing), plus `extra` packages."""
     from importlib.metadata import PackageNotFoundError, version
 
     found: dict[str, Optional[str]] = {"python": platform.python_version()}
-    for package in ("rlplatform", "ray", "torch", "gymnasium", "numpy"):
+    for package in ("rlplatform", "ray", "torch", "gymnasium", "numpy", *extra):
         try:
             found[package] = version(package)
         except PackageNotFoundError:

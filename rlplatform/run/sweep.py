@@ -23,13 +23,14 @@ from typing import Any, Optional
 from ray import tune
 from rich.markup import escape
 
+from rlplatform import console
 from rlplatform.config.experiment import ResolvedExperiment
 from rlplatform.config.files import to_yaml
 from rlplatform.config.schema import ExperimentConfig
 from rlplatform.config.search import SearchSection
 from rlplatform.config.sizing import Resources
 from rlplatform.errors import UserError
-from rlplatform.run import progress, run_dir as rundir
+from rlplatform.run import run_dir as rundir
 from rlplatform.run.plan import Plan, make_plan
 
 SEARCH_FILE = "search.yaml"
@@ -128,7 +129,7 @@ def trials_that_fit(bundles: list[dict[str, float]], resources: Resources) -> in
 # ----------------------------------------------------------------------------- Tune's objects
 
 
-def tune_domain(dist: dict[str, Any], as_yaml: bool):
+def tune_domain(dist: dict[str, Any], as_yaml: bool) -> Any:
 
     (name, args), = dist.items()
     if name == "choice":
@@ -142,12 +143,12 @@ def to_yaml_text(value: Any) -> str:
     return yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
 
 
-def param_space(sp: SweepPlan) -> dict[str, Any]:
+def param_space(sweep_plan: SweepPlan) -> dict[str, Any]:
 
     space = {}
-    for key, dist in {**(sp.search.pbt.mutations if sp.search.scheduler == "pbt" else {}), **sp.search.space}.items():
-        as_yaml = key in sp.yaml_keys
-        if sp.search.searcher == "grid":
+    for key, dist in {**(sweep_plan.search.pbt.mutations if sweep_plan.search.scheduler == "pbt" else {}), **sweep_plan.search.space}.items():
+        as_yaml = key in sweep_plan.yaml_keys
+        if sweep_plan.search.searcher == "grid":
             values = dist["choice"]
             space[key] = tune.grid_search([to_yaml_text(v) for v in values] if as_yaml else list(values))
         else:
@@ -155,42 +156,42 @@ def param_space(sp: SweepPlan) -> dict[str, Any]:
     return space
 
 
-def scheduler(sp: SweepPlan):
+def scheduler(sweep_plan: SweepPlan) -> Any:
     from ray.tune.schedulers import ASHAScheduler, FIFOScheduler, PopulationBasedTraining
 
-    search, config = sp.search, sp.plan.config
+    search, config = sweep_plan.search, sweep_plan.plan.config
     if search.scheduler == "asha":
         max_t = search.asha.max_t or config.stop.iterations or 1000
         return ASHAScheduler(time_attr="training_iteration", max_t=max_t, grace_period=search.asha.grace_period,
                              reduction_factor=search.asha.reduction_factor)
     if search.scheduler == "pbt":
         pbt = search.pbt
-        mutations = {key: tune_domain(dist, key in sp.yaml_keys) for key, dist in pbt.mutations.items()}
+        mutations = {key: tune_domain(dist, key in sweep_plan.yaml_keys) for key, dist in pbt.mutations.items()}
         return PopulationBasedTraining(time_attr="training_iteration", perturbation_interval=pbt.interval,
                                        hyperparam_mutations=mutations, quantile_fraction=pbt.quantile_fraction,
                                        resample_probability=pbt.resample_probability, synch=pbt.synchronous)
     return FIFOScheduler()
 
 
-def searcher(sp: SweepPlan):
-    if sp.search.searcher != "optuna":  # random samples and grid points, seeded: a sweep draws the same trials again
+def searcher(sweep_plan: SweepPlan) -> Any:
+    if sweep_plan.search.searcher != "optuna":  # random samples and grid points, seeded: a sweep draws the same trials again
         from ray.tune.search import BasicVariantGenerator
 
-        return BasicVariantGenerator(random_state=sp.plan.config.seed)
+        return BasicVariantGenerator(random_state=sweep_plan.plan.config.seed)
     from ray.tune.search.optuna import OptunaSearch
 
-    return OptunaSearch(seed=sp.plan.config.seed)
+    return OptunaSearch(seed=sweep_plan.plan.config.seed)
 
 
-def trainable(sp: SweepPlan, sweep_dir: Path):
+def trainable(sweep_plan: SweepPlan, sweep_dir: Path) -> Any:
     """`run/trial.py`'s RunTrial with the sweep's facts and a placement group of the experiment's bundles."""
 
     from rlplatform.run.trial import RunTrial
 
-    with_facts = tune.with_parameters(RunTrial, base=sp.plan.config.model_dump(), sweep_dir=str(sweep_dir),
-                                      resources=vars(sp.plan.resources), yaml_keys=sp.yaml_keys,
+    with_facts = tune.with_parameters(RunTrial, base=sweep_plan.plan.config.model_dump(), sweep_dir=str(sweep_dir),
+                                      resources=vars(sweep_plan.plan.resources), yaml_keys=sweep_plan.yaml_keys,
                                       command=rundir.command_facts())
-    return tune.with_resources(with_facts, TrialResources(sp.plan.config.model_dump(), sp.yaml_keys))
+    return tune.with_resources(with_facts, TrialResources(sweep_plan.plan.config.model_dump(), sweep_plan.yaml_keys))
 
 
 class TrialResources:
@@ -200,7 +201,7 @@ class TrialResources:
     def __init__(self, base: dict[str, Any], yaml_keys: frozenset[str]):
         self.base, self.yaml_keys = base, yaml_keys
 
-    def __call__(self, params: dict[str, Any]):
+    def __call__(self, params: dict[str, Any]) -> Any:
 
         from rlplatform.adapter import algorithm_config
         from rlplatform.run.trial import decode_params, trial_config
@@ -210,24 +211,24 @@ class TrialResources:
         return tune.PlacementGroupFactory(bundles, strategy=config.scale.placement.upper())
 
 
-def run_config(sp: SweepPlan, sweep_dir: Path):
+def run_config(sweep_plan: SweepPlan, sweep_dir: Path) -> Any:
 
-    config = sp.plan.config
+    config = sweep_plan.plan.config
     return tune.RunConfig(
         name=sweep_dir.name, storage_path=str(sweep_dir.parent.resolve()), verbose=0,
         checkpoint_config=tune.CheckpointConfig(checkpoint_frequency=config.checkpoint.every, checkpoint_at_end=True),
         failure_config=tune.FailureConfig(max_failures=config.max_failures),
-        callbacks=[SweepConsole(sp.search.metric, sp.search.scheduler)],
+        callbacks=[SweepConsole(sweep_plan.search.metric, sweep_plan.search.scheduler)],
     )
 
 
-def tune_config(sp: SweepPlan):
+def tune_config(sweep_plan: SweepPlan) -> Any:
 
     from rlplatform.run.trial import tune_trial_dirname
 
-    search = sp.search
+    search = sweep_plan.search
     return tune.TuneConfig(metric=search.metric, mode=search.mode, num_samples=search.samples,
-                           max_concurrent_trials=sp.concurrent, scheduler=scheduler(sp), search_alg=searcher(sp),
+                           max_concurrent_trials=sweep_plan.concurrent, scheduler=scheduler(sweep_plan), search_alg=searcher(sweep_plan),
                            reuse_actors=False, trial_dirname_creator=tune_trial_dirname)
 
 
@@ -251,24 +252,24 @@ class SweepConsole(tune.Callback):
     def __init__(self, metric: str, scheduler_name: str):
         self.metric, self.scheduler_name = metric, scheduler_name
 
-    def on_trial_complete(self, iteration: int, trials: list, trial, **info) -> None:
+    def on_trial_complete(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
         self._say(trial, stop_reason(trial, self.scheduler_name, status="TERMINATED"))  # Tune sets it after this
 
-    def on_trial_error(self, iteration: int, trials: list, trial, **info) -> None:
+    def on_trial_error(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
         self._say(trial, stop_reason(trial, self.scheduler_name, status="ERROR"))
 
-    def _say(self, trial, reason: str) -> None:
+    def _say(self, trial: Any, reason: str) -> None:
         from rlplatform.run.trial import trial_dirname
 
         result = trial.last_result or {}
         params = "  ".join(f"{_short_key(k)}={_fmt_param(v)}" for k, v in trial.config.items())
-        progress.console.print(
+        console.stdout.print(
             f"[bold]{trial_dirname(trial.trial_id)}[/]  it {result.get('training_iteration', 0):>4}  "
-            f"steps {int(result.get('env_steps', 0)):>9,}  {self.metric} [cyan]{progress.fmt(result.get(self.metric), '.2f')}[/]  "
+            f"steps {int(result.get('env_steps', 0)):>9,}  {self.metric} [cyan]{console.fmt(result.get(self.metric), '.2f')}[/]  "
             f"{escape(params)}  [dim]{escape(reason)}[/]")
 
 
-def stop_reason(trial, scheduler_name: str, status: Optional[str] = None) -> str:
+def stop_reason(trial: Any, scheduler_name: str, status: Optional[str] = None) -> str:
     """Why a trial stopped, from Tune's record of it: its own stop criterion, the scheduler, an error, or not yet."""
     result, status = trial.last_result or {}, status or trial.status
     if status == "ERROR":
@@ -278,7 +279,7 @@ def stop_reason(trial, scheduler_name: str, status: Optional[str] = None) -> str
     return result.get("stop_reason") or f"stopped early by {scheduler_name.upper()}"
 
 
-def _error_line(trial) -> str:
+def _error_line(trial: Any) -> str:
     text = ""
     if trial.error_file and Path(trial.error_file).is_file():
         text = Path(trial.error_file).read_text()
@@ -329,27 +330,27 @@ def write_results(rows: list[dict[str, Any]], sweep_dir: Path, metric: str) -> N
 def print_results(rows: list[dict[str, Any]], sweep_dir: Path, metric: str) -> None:
     from rich.table import Table
 
-    progress.console.rule("sweep done")
+    console.stdout.rule("sweep done")
     keys = sorted({k for r in rows for k in r["params"]})
     table = Table(show_edge=False, pad_edge=False, box=None)
     for column in ["trial", *[_short_key(k) for k in keys], metric, "iters", "env steps", "wall s", "stopped"]:
         table.add_column(column, justify="right" if column not in ("trial", "stopped") else "left")
     for r in rows:
-        table.add_row(r["trial"], *[_fmt_param(r["params"].get(k)) for k in keys], progress.fmt(r[metric], ".2f"),
-                      str(r["iterations"] or "-"), f"{int(r['env_steps'] or 0):,}", progress.fmt(r["wall_time_s"], ".0f"),
+        table.add_row(r["trial"], *[_fmt_param(r["params"].get(k)) for k in keys], console.fmt(r[metric], ".2f"),
+                      str(r["iterations"] or "-"), f"{int(r['env_steps'] or 0):,}", console.fmt(r["wall_time_s"], ".0f"),
                       escape(r["stopped"]))
     from rich.console import Console
     from rich.measure import Measurement
 
-    width = Measurement.get(progress.console, progress.console.options.update_width(1_000), table).maximum
+    width = Measurement.get(console.stdout, console.stdout.options.update_width(1_000), table).maximum
     # As wide as the table: a row per trial, never wrapped (a piped console is 80 columns).
-    Console(width=max(width, progress.console.width), highlight=False, soft_wrap=True).print(table)
+    Console(width=max(width, console.stdout.width), highlight=False, soft_wrap=True).print(table)
     best = next((r for r in rows if r[metric] is not None), None)
     if best is not None:
-        progress.say(f"best trial: {best['trial']} ({metric} {best[metric]:.2f}): {best['run_dir']}")
-        progress.say(f"evaluate it: python -m rlplatform evaluate {best['run_dir']}")
-    progress.say(f"results: {sweep_dir / RESULTS_CSV}, {sweep_dir / RESULTS_JSON}")
-    progress.say(f"TensorBoard (HParams compares the trials): tensorboard --logdir {sweep_dir}")
+        console.say(f"best trial: {best['trial']} ({metric} {best[metric]:.2f}): {best['run_dir']}")
+        console.say(f"evaluate it: python -m rlplatform evaluate {best['run_dir']}")
+    console.say(f"results: {sweep_dir / RESULTS_CSV}, {sweep_dir / RESULTS_JSON}")
+    console.say(f"TensorBoard (HParams compares the trials): tensorboard --logdir {sweep_dir}")
 
 
 def write_search_config(sweep_dir: Path, config: ExperimentConfig) -> None:

@@ -19,7 +19,7 @@ import secrets
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from rlplatform.config.schema import ExperimentConfig
 
@@ -65,6 +65,8 @@ class MlflowTracker:
         from rlplatform.dashboards.tb_layout import hparams_of
 
         section = config.tracking.mlflow
+        if section is None:
+            raise ValueError("no tracking.mlflow section")
         self.client = MlflowClient(tracking_uri=section.uri)
         self.run_id = ids.get("mlflow_run_id") if resume else None
         if self.run_id:
@@ -110,6 +112,8 @@ class WandbTracker:
         from rlplatform.dashboards.tb_layout import hparams_of
 
         section = config.tracking.wandb
+        if section is None:
+            raise ValueError("no tracking.wandb section")
         if section.mode == "online" and not os.environ.get("WANDB_API_KEY") and not _wandb_logged_in():
             raise RuntimeError("no W&B API key (`wandb login` or WANDB_API_KEY)")  # never a login prompt mid-run
         run_id = (ids.get("wandb_run_id") if resume else None) or secrets.token_hex(4)  # 8 of [0-9a-f], as W&B's ids
@@ -149,7 +153,7 @@ def _wandb_logged_in() -> bool:
         return False
 
 
-TRACKERS = {"mlflow": MlflowTracker, "wandb": WandbTracker}
+TRACKERS: dict[str, type[MlflowTracker] | type[WandbTracker]] = {"mlflow": MlflowTracker, "wandb": WandbTracker}
 PACKAGES = {"mlflow": "mlflow", "wandb": "wandb"}
 
 
@@ -184,7 +188,7 @@ class Tracking:
         if elapsed > 30:
             print(f"note: {name} tracking took {elapsed:.0f} s to start", file=sys.stderr)
 
-    def _each(self, what: str, call) -> None:
+    def _each(self, what: str, call: Callable[[Any], None]) -> None:
         for tracker in list(self.trackers):
             try:
                 call(tracker)

@@ -16,7 +16,7 @@ import datetime as dt
 import json
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from ray import tune
 
@@ -24,6 +24,10 @@ from rlplatform.config.files import apply_override, load_yaml_text
 from rlplatform.config.schema import ExperimentConfig, validate
 from rlplatform.config.sizing import Resources
 from rlplatform.errors import TrainingFailed, UserError
+
+if TYPE_CHECKING:
+    from rlplatform.run.checkpoints import CheckpointInfo
+    from rlplatform.run.loop import RunSession
 
 CONFIG_HISTORY_FILE = "config_history.jsonl"  # one line per start of the trial: its parameters, where it resumed
 
@@ -33,7 +37,7 @@ def trial_dirname(trial_id: str) -> str:
     return f"trial_{trial_id.rpartition('_')[2]}"
 
 
-def tune_trial_dirname(trial) -> str:  # Tune's trial_dirname_creator
+def tune_trial_dirname(trial: Any) -> str:  # Tune's trial_dirname_creator
     return trial_dirname(trial.trial_id)
 
 
@@ -62,6 +66,8 @@ class RunTrial(tune.Trainable):
         from rlplatform.run import run_dir as rundir
         from rlplatform.run.plan import Plan
 
+        if base is None or resources is None:
+            raise TypeError("RunTrial takes the sweep's base experiment and resources (tune.with_parameters)")
         self.params = decode_params(dict(config), yaml_keys)
         experiment = trial_config(base, self.params)
         self.run_dir = Path(sweep_dir) / trial_dirname(self.trial_id)
@@ -69,8 +75,8 @@ class RunTrial(tune.Trainable):
         self._lock = rundir.WriterLock(self.run_dir)
         self.plan = Plan(config=experiment, resources=Resources(**resources), bundles=[], run_dir=self.run_dir,
                          algorithm_in_driver=True)  # this actor is the algorithm's host
-        self._resume_from = None
-        self._session = None
+        self._resume_from: Optional[CheckpointInfo] = None
+        self._session: Optional[RunSession] = None
         self._saved_iteration: Optional[int] = None
         self._command = command or {}  # the driver's command line, directory and checkout, for the manifest
 
@@ -85,22 +91,25 @@ class RunTrial(tune.Trainable):
             if finished is not None:
                 return finished
         try:
-            m = self._session.iterate()
+            metrics = self._live_session().iterate()
         except HostFailed as exc:  # Tune's FailureConfig (max_failures) restarts the trial from its checkpoint
             raise TrainingFailed(str(exc)) from None
-        result = {k: v for k, v in m.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-        result["training_iteration"] = m["iteration"]  # ours, restored with the checkpoint, is the one to count
-        reason = self._session.stop_reason(m)
+        result: dict[str, Any] = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        result["training_iteration"] = metrics["iteration"]  # ours, restored with the checkpoint, is the one to count
+        reason = self._live_session().stop_reason(metrics)
         if reason is not None:
             result.update(done=True, stop_reason=reason)
         return result
 
     def save_checkpoint(self, checkpoint_dir: str) -> dict[str, str]:
-        m = self._session.last
-        if m is None:  # restored and not trained since (it had already met its stop): the checkpoint it came from
+        session = self._live_session()
+        metrics = session.last
+        if metrics is None:  # restored and not trained since (it had already met its stop): the checkpoint it came from
+            if self._resume_from is None:
+                raise TrainingFailed("no iteration trained and no checkpoint to point Tune to")
             return {"run_dir": str(self.run_dir), "checkpoint": str(self._resume_from.path)}
-        path = self._session.save(m)
-        self._saved_iteration = m["iteration"]
+        path = session.save(metrics)
+        self._saved_iteration = metrics["iteration"]
         return {"run_dir": str(self.run_dir), "checkpoint": str(path)}
 
     def load_checkpoint(self, checkpoint: dict[str, str]) -> None:
@@ -129,6 +138,11 @@ class RunTrial(tune.Trainable):
 
     # -- ours -----------------------------------------------------------------------------------------------
 
+    def _live_session(self) -> RunSession:
+        if self._session is None:
+            raise TrainingFailed("the trial's run has not started")
+        return self._session
+
     def _finished_before_it_was_stopped(self) -> Optional[dict[str, Any]]:
         """A trial stopped (Ctrl-C) after the iteration that met its `stop`, restored there: done, as it was."""
         from rlplatform.run.loop import stop_reason
@@ -137,15 +151,17 @@ class RunTrial(tune.Trainable):
         if self._resume_from is None or not (self.run_dir / METRICS_FILE).is_file():
             return None
         rows = [json.loads(line) for line in (self.run_dir / METRICS_FILE).read_text().splitlines() if line.strip()]
-        m = next((r for r in reversed(rows) if r.get("iteration") == self._resume_from.iteration), None)
-        reason = m and stop_reason(self.plan.config, m, window_full=False, wall_s=m.get("wall_time_s") or 0.0)
+        metrics = next((r for r in reversed(rows) if r.get("iteration") == self._resume_from.iteration), None)
+        if metrics is None:
+            return None
+        reason = stop_reason(self.plan.config, metrics, window_full=False, wall_s=metrics.get("wall_time_s") or 0.0)
         if not reason:
             return None
-        result = {k: v for k, v in m.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-        return {**result, "training_iteration": m["iteration"], "done": True, "stop_reason": reason}
+        result = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        return {**result, "training_iteration": metrics["iteration"], "done": True, "stop_reason": reason}
 
     def _start(self) -> None:
-        from rlplatform import internals
+        from rlplatform.adapter import speedups
         from rlplatform.run import run_dir as rundir
         from rlplatform.run.loop import RunSession
 
@@ -156,7 +172,7 @@ class RunTrial(tune.Trainable):
         rundir.write_manifest(self.run_dir, config, {
             **self._command, "sweep": str(self.run_dir.parent), "trial_id": self.trial_id, "params": self.params,
             "resources": vars(self.plan.resources), "bundles": self.trial_resources.bundles if self.trial_resources else None,
-            "speedups": {"requested": config.speedups, "active": internals.active(config, True)},
+            "speedups": speedups.manifest_record(config.speedups, config, True),
             "resumed_from": str(self._resume_from.path) if self._resume_from else None,
         })
         _append_history(self.run_dir, self.params, self._resume_from)
@@ -165,7 +181,7 @@ class RunTrial(tune.Trainable):
             self._saved_iteration = self._resume_from.iteration
 
 
-def _own_newest(run_dir: Path):
+def _own_newest(run_dir: Path) -> Optional[CheckpointInfo]:
     from rlplatform.run.checkpoints import list_checkpoints
     from rlplatform.run.plan import checkpoint_to_resume
 
@@ -177,7 +193,7 @@ def _own_newest(run_dir: Path):
         return None
 
 
-def _append_history(run_dir: Path, params: dict[str, Any], resume_from) -> None:
+def _append_history(run_dir: Path, params: dict[str, Any], resume_from: Optional[CheckpointInfo]) -> None:
     record = {"at": dt.datetime.now().astimezone().isoformat(timespec="seconds"), "params": params,
               "from_iteration": resume_from.iteration if resume_from else 0,
               "from_checkpoint": str(resume_from.path) if resume_from else None}

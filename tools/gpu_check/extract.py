@@ -1,5 +1,8 @@
 """Unpack wheels (zips) into a target dir, keeping the executable bits (raylet, gcs_server)."""
-import os, sys, zipfile
+import os
+import sys
+import zipfile
+
 target = sys.argv[1]
 for path in sys.argv[2:]:
     with zipfile.ZipFile(path) as z:
