@@ -15,6 +15,7 @@ ENVS = {
     "rlplatform/PixelCatch-v0": ("rlplatform_envs.pixel_catch:PixelCatchEnv", None, False),
     "rlplatform/Atari-v0": ("rlplatform_envs.atari:make_atari", None, False),
     "rlplatform/Faulty-v0": ("rlplatform_envs.faults:make_faulty", None, False),
+    "rlplatform/Firehose-v0": ("rlplatform_envs.firehose:FirehoseEnv", None, False),
     "rlplatform/Pursuit-v0": ("rlplatform_envs.pursuit:PursuitEnv", None, True),
     "rlplatform/PettingZooParallel-v0": ("rlplatform_envs.pettingzoo_envs:make_parallel", None, True),
 }

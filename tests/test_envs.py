@@ -1,8 +1,15 @@
 """Our envs: `envs list`, `envs check` on each, a short training run of each env's experiment
-file with remote env runners, multi-agent metrics per policy, and fault injection."""
+file with remote env runners, multi-agent metrics per policy, fault injection, and Firehose's
+contract (no Ray)."""
 
+import gymnasium as gym
+import numpy as np
 import pytest
 from conftest import ROOT, only_run_dir, read_metrics, run_cli
+from gymnasium.utils.env_checker import check_env
+
+import rlplatform_envs  # noqa: F401  (registers the rlplatform/ ids)
+from rlplatform_envs.firehose import FirehoseEnv
 
 CHECKS = {
     "rlplatform/CostlySim-v0": "{work_ms: 0.1}",
@@ -11,6 +18,7 @@ CHECKS = {
     "rlplatform/Pursuit-v0": "{size: 5}",
     "rlplatform/PettingZooParallel-v0": "{env_module: mpe2.simple_spread_v3, N: 2, max_cycles: 25}",
     "rlplatform/Faulty-v0": "{env: CartPole-v1, crash_probability: 0.0}",
+    "rlplatform/Firehose-v0": "{episode_len: 50, obs_size: 8}",
 }
 QUICK = ["--set", "stop.iterations=1", "--set", "stop.return_mean=null", "--set", "checkpoint.every=1"]
 
@@ -84,3 +92,67 @@ def test_fault_injection_run_finishes_despite_crashes(ray_head, runs):
     assert rows[-1]["env_steps"] >= 4000
     assert rows[-1]["faults/env_runner_restarts"] > 0
     assert min(r["faults/healthy_env_runners"] for r in rows) < 2  # the drop is on record
+
+
+# Firehose: the cheapest env, for measuring the pipeline's own cost per env step (`bench ingest`).
+
+def test_firehose_truncates_itself_after_episode_len_steps():
+    env = gym.make("rlplatform/Firehose-v0", episode_len=7, obs_size=3)
+    assert env.spec is not None and env.spec.max_episode_steps is None  # no TimeLimit: the env truncates itself
+    for _ in range(2):  # and again after a reset
+        env.reset(seed=1)
+        flags = [env.step(0)[2:4] for _ in range(7)]
+        assert flags == [(False, False)] * 6 + [(False, True)]
+
+
+def test_firehose_observations_are_fresh_float32_arrays_in_the_box():
+    env = FirehoseEnv(episode_len=200, obs_size=5)
+    assert env.observation_space == gym.spaces.Box(-1.0, 1.0, shape=(5,), dtype=np.float32)
+    assert env.action_space == gym.spaces.Discrete(2)
+    obs, _ = env.reset(seed=3)
+    seen = [obs]
+    for _ in range(150):  # more than the ring
+        seen.append(env.step(1)[0])
+    for o in seen:
+        assert o.shape == (5,) and o.dtype == np.float32 and env.observation_space.contains(o)
+    assert len({o.tobytes() for o in seen}) > 32  # the ring varies
+    first = seen[1].copy()
+    seen[1][:] = 7.0  # a consumer that writes into an observation cannot change what comes later
+    assert not any((o == 7.0).all() for o in seen[2:])
+    assert not np.shares_memory(seen[1], seen[1 + 64])
+    assert np.array_equal(first, seen[1 + 64])  # the ring repeats
+
+
+def test_firehose_same_seed_same_observations():
+    a, b = FirehoseEnv(), FirehoseEnv()
+    obs_a, obs_b = a.reset(seed=11)[0], b.reset(seed=11)[0]
+    assert np.array_equal(obs_a, obs_b)
+    assert all(np.array_equal(a.step(0)[0], b.step(0)[0]) for _ in range(10))
+    assert not np.array_equal(FirehoseEnv().reset(seed=12)[0], obs_a)
+
+
+def test_firehose_reward_follows_the_target_bit_the_observation_shows():
+    env = FirehoseEnv(episode_len=500, obs_size=2)
+    for choose, expected in ((lambda bit: bit, 1.0), (lambda bit: 1 - bit, 0.0)):
+        obs, _ = env.reset(seed=0)
+        targets = set()
+        for _ in range(300):
+            target = int(obs[0] > 0)
+            targets.add(target)
+            obs, reward, terminated, _, _ = env.step(np.int64(choose(target)))  # RLlib hands numpy ints
+            assert reward == expected and not terminated
+        assert targets == {0, 1}
+
+
+@pytest.mark.parametrize("kwargs,name", [
+    ({"episode_len": 0}, "episode_len"), ({"episode_len": -3}, "episode_len"), ({"episode_len": 2.5}, "episode_len"),
+    ({"obs_size": 0}, "obs_size"), ({"obs_size": "4"}, "obs_size"), ({"obs_size": True}, "obs_size"),
+])
+def test_firehose_refuses_bad_arguments_naming_them(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        FirehoseEnv(**kwargs)
+
+
+def test_firehose_passes_gymnasiums_env_checker():
+    check_env(gym.make("rlplatform/Firehose-v0", episode_len=20, obs_size=6).unwrapped, skip_render_check=True)
+    check_env(FirehoseEnv(), skip_render_check=True)

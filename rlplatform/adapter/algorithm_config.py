@@ -277,6 +277,7 @@ def build_algorithm_config(config: ExperimentConfig, main_process_resources: Opt
             num_learners=scale.learners,
             num_cpus_per_learner=hw.cpus_per_learner,
             num_gpus_per_learner=hw.gpus_per_learner,
+            **_aggregators(config),
             **_learner_class(config, speedups),
         )
         .resources(
@@ -311,7 +312,8 @@ def build_algorithm_config(config: ExperimentConfig, main_process_resources: Opt
     except Exception as exc:  # RLlib's setters and checks raise anything on a value of the wrong shape
         raise UserError(f"RLlib rejected the configuration: {_first_line(exc)}") from None
     for name, count in (("env_runners.num_env_runners", algo_config.num_env_runners),
-                        ("learners.num_learners", algo_config.num_learners)):
+                        ("learners.num_learners", algo_config.num_learners),
+                        ("learners.num_aggregator_actors_per_learner", algo_config.num_aggregator_actors_per_learner)):
         if not isinstance(count, int) or count > MAX_ACTORS:  # the pass-through bypasses the schema's limit
             raise UserError(f"RLlib rejected the configuration: {name} = {str(count)[:40]}: at most {MAX_ACTORS:,}")
     return algo_config
@@ -322,13 +324,25 @@ def _first_line(exc: BaseException) -> str:
     return (text.splitlines()[0] if text else type(exc).__name__)[:300]
 
 
+def _aggregators(config: ExperimentConfig) -> dict[str, Any]:
+    """`scale.aggregators_per_learner` (APPO/IMPALA, the schema refuses it elsewhere); 0 leaves RLlib's default alone."""
+    count = config.scale.aggregators_per_learner
+    return {"num_aggregator_actors_per_learner": count} if count else {}
+
+
 def _learner_class(config: ExperimentConfig, speedups: bool) -> dict[str, Any]:
     learner_class = internals.learner_class(config) if speedups else None
     return {"learner_class": learner_class} if learner_class else {}  # else RLlib's default learner
 
 
 def resource_bundles(algo_config) -> list[dict[str, float]]:
-    """The placement-group bundles RLlib asks for: [main process] + env runners + eval runners + learners."""
+    """The placement-group bundles RLlib asks for: [main process] + env runners + eval runners + learners.
+
+    APPO/IMPALA's aggregator actors (1 CPU each, started by `Algorithm.setup` inside the group: the
+    algorithm host captures its child actors) are in them already (ray 2.60, `algorithms/utils.py`
+    `_get_learner_bundles`): one bundle of {CPU: 1} each when the learner is in the main process,
+    else +1 CPU per aggregator in each learner's bundle. Nothing is added here: that would count them twice.
+    """
     try:
         factory = algo_config.algo_class.default_resource_request(algo_config)
         return [{k: float(v) for k, v in bundle.items() if v} for bundle in factory.bundles]

@@ -6,6 +6,7 @@
 - `learner`: DQN/SAC learner updates per second: the lean learner, RLlib's, and plain torch.
 - `gpu`: the Atari Pong APPO preset on a GPU learner: learner throughput and GPU utilisation.
 - `scale`: many env runners (and nodes) whose envs wait: throughput against the ideal, where the time goes, memory per runner.
+- `ingest`: CPU per env step of each role of the pipeline on an env that costs nothing; each role's ceiling.
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ from typing import Any
 
 
 def add_parser(subparsers: Any) -> None:  # argparse's sub-parsers action
-    from rlplatform.bench import gpu, learner, scale, soak, solve, throughput
+    from rlplatform.bench import gpu, ingest, learner, scale, soak, solve, throughput
 
-    p = subparsers.add_parser("bench", help="benchmarks: sampling throughput, time to solve, memory soak, learner updates, GPU learner, scale")
-    verbs = p.add_subparsers(dest="bench_verb", metavar="{throughput,solve,soak,learner,gpu,scale}", required=True, parser_class=type(p))
-    for verb in (throughput, solve, soak, learner, gpu, scale):
+    p = subparsers.add_parser("bench", help="benchmarks: sampling throughput, time to solve, memory soak, learner updates, GPU learner, scale, ingest")
+    verbs = p.add_subparsers(dest="bench_verb", metavar="{throughput,solve,soak,learner,gpu,scale,ingest}", required=True, parser_class=type(p))
+    for verb in (throughput, solve, soak, learner, gpu, scale, ingest):
         verb.add_verb(verbs)

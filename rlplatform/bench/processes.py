@@ -36,6 +36,8 @@ ROLES = {  # Ray's process title of an actor is "ray::<ClassName>[.method]"
     "SingleAgentEnvRunner": "env runner",
     "MultiAgentEnvRunner": "env runner",
     "Learner": "learner",
+    "AggregatorActor": "aggregator",
+    "_WrappedExecutable": "learner",  # RLlib's LearnerGroup runs remote learners in Ray Train's worker actors
     "NodeProbe": "system monitor",
     "DashboardAgent": "ray dashboard agent",
     "RuntimeEnvAgent": "ray runtime env agent",
@@ -101,10 +103,11 @@ def role_of(proc) -> Optional[str]:
 
 
 def sample_processes(processes: Callable[[], list[tuple[Any, str]]], read: Callable[[Any, str], dict[str, Any]],
-                     started: float, interval_s: float, poll) -> list[dict[str, Any]]:
+                     started: float, interval_s: float, poll: Callable[[], Optional[int]],
+                     machine: Optional[Callable[[], dict[str, Any]]] = None) -> list[dict[str, Any]]:
     """Every `interval_s` until `poll()` says the run has exited: `read(process, role)` of every process that
     `processes()` names (process, node) and that has a role (the first one named is the driver), as
-    `{"t": seconds since started, "processes": {pid: {"role", "node", **read(...)}}}`."""
+    `{"t": seconds since started, "processes": {pid: {"role", "node", **read(...)}}, **machine()}`."""
     import psutil
 
     samples = []
@@ -123,7 +126,7 @@ def sample_processes(processes: Callable[[], list[tuple[Any, str]]], read: Calla
                 found[str(p.pid)] = {"role": role, "node": node, **read(p, role)}
             except psutil.Error:
                 continue
-        samples.append({"t": t, "processes": found})
+        samples.append({"t": t, "processes": found, **(machine() if machine else {})})
         deadline = time.time() + interval_s
         while poll() is None and time.time() < deadline:
             time.sleep(0.1)

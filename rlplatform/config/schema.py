@@ -18,6 +18,7 @@ from rlplatform.errors import UserError, did_you_mean
 SCHEMA_VERSION: Final = 1
 ALGORITHMS = ("PPO", "APPO", "IMPALA", "DQN", "SAC")
 ASYNCHRONOUS_ALGORITHMS = ("APPO", "IMPALA")  # they learn while their env runners sample
+AGGREGATOR_ALGORITHMS = ("APPO", "IMPALA")  # RLlib's training steps that use aggregator actors (scale.aggregators_per_learner)
 DEFAULT_PROFILE = "auto"
 MAX_ACTORS = 100_000  # env runners or learners a run may ask for: more than any Ray cluster holds
 MIN_RESOURCE = 0.0001  # Ray's smallest unit of a CPU or GPU
@@ -49,6 +50,10 @@ class ScaleSection(Section):
     vectorize: Literal["sync", "async"] = "sync"
     rollout_fragment_length: Union[int, Literal["auto"]] = "auto"
     learners: int = Field(0, ge=0)
+    # APPO/IMPALA: actors (1 CPU each) that run the sampled episodes through the learner connector pipeline,
+    # so the learners get ready train batches; max(learners, 1) x this many in all (RLlib's
+    # num_aggregator_actors_per_learner). 0: the learners do it themselves.
+    aggregators_per_learner: int = Field(0, ge=0)
     placement: Literal["pack", "spread", "strict_pack", "strict_spread"] = "pack"
 
     @field_validator("rollout_fragment_length")
@@ -232,9 +237,13 @@ def validate(data: dict[str, Any], source: str = "config") -> ExperimentConfig:
     except ValidationError as exc:
         raise UserError(describe_validation_error(exc, data, source)) from None
     # Checked here, on what the user gives, not in the schema: `--profile auto` may size a big cluster past it.
-    for key in ("env_runners", "learners"):
+    for key in ("env_runners", "learners", "aggregators_per_learner"):
         if getattr(config.scale, key) > MAX_ACTORS:
             raise UserError(f"{source}: scale.{key} = {_show(getattr(config.scale, key))}: at most {MAX_ACTORS:,}")
+    if config.scale.aggregators_per_learner and config.algorithm not in AGGREGATOR_ALGORITHMS:
+        raise UserError(f"{source}: scale.aggregators_per_learner = {config.scale.aggregators_per_learner}: only "
+                        f"{' and '.join(AGGREGATOR_ALGORITHMS)} use aggregator actors, not {config.algorithm} "
+                        "(set it to 0)")
     return config
 
 

@@ -26,7 +26,8 @@ class Resources:
 def size_to_cluster(config: ExperimentConfig, resources: Resources, explicit_keys: set[str]) -> ExperimentConfig:
     """`--profile auto`: a GPU learner when there is a GPU, one learner per GPU when there are
     several, env runners over the CPUs left (none, sampling in the main process, where only one
-    would fit and the algorithm is synchronous). Keys given with --set are left as they are."""
+    would fit and the algorithm is synchronous) after the main process, the learners and any
+    aggregator actors. Keys given with --set are left as they are."""
     scale = config.scale.model_copy()
     hardware = config.hardware.model_copy()
 
@@ -42,7 +43,7 @@ def size_to_cluster(config: ExperimentConfig, resources: Resources, explicit_key
         choose(scale, "learners", 0)
         choose(hardware, "gpus_per_learner", 1)
     learner_cpus = learner_cpu_demand(scale.learners, hardware.cpus_per_learner, hardware.gpus_per_learner, hardware.driver_cpus)
-    free = resources.cpus - learner_cpus
+    free = resources.cpus - learner_cpus - aggregator_cpu_demand(scale.learners, scale.aggregators_per_learner)
     if hardware.cpus_per_env_runner > 0:
         runners = max(0, math.floor(free / hardware.cpus_per_env_runner + 1e-9))
         if runners == 1 and scale.learners == 0 and config.algorithm not in ASYNCHRONOUS_ALGORITHMS:
@@ -61,6 +62,11 @@ def learner_cpu_demand(learners: int, cpus_per_learner: float, gpus_per_learner:
         # The learner lives in the main process; RLlib gives a GPU learner no CPU of its own.
         return max(driver_cpus, 0 if gpus_per_learner else cpus_per_learner)
     return driver_cpus + learners * cpus_per_learner
+
+
+def aggregator_cpu_demand(learners: int, aggregators_per_learner: int) -> float:
+    """CPUs taken by APPO/IMPALA's aggregator actors: RLlib starts max(learners, 1) x aggregators_per_learner, 1 CPU each."""
+    return float(max(learners, 1) * aggregators_per_learner)
 
 
 def preflight(bundles: list[dict[str, float]], resources: Resources) -> None:
