@@ -27,7 +27,7 @@ from typing import Any, Optional
 from rlplatform import console
 from rlplatform.bench.processes import run_processes, sample_processes
 from rlplatform.bench.training_runs import add_training_arguments, bench_dir, finish, start, train_command, write_json
-from rlplatform.config.schema import ASYNCHRONOUS_ALGORITHMS
+from rlplatform.config.schema import AGGREGATOR_ALGORITHMS
 from rlplatform.errors import UserError
 
 INGEST_ENV = "rlplatform/Firehose-v0"
@@ -118,7 +118,7 @@ def _points(args: argparse.Namespace) -> list[Point]:
     points = []
     for algorithm, episode_len, fragment, aggregators, learners in itertools.product(
             args.algorithms, args.episode_lens, args.fragments, sorted(set(args.aggregators)), sorted(set(args.learners))):
-        if aggregators and algorithm not in ASYNCHRONOUS_ALGORITHMS:
+        if aggregators and algorithm not in AGGREGATOR_ALGORITHMS:
             continue  # aggregator actors are APPO's and IMPALA's
         points.append(Point(algorithm, episode_len, fragment, aggregators, learners))
     if not points:
@@ -159,7 +159,7 @@ def measure_point(args: argparse.Namespace, point: Point, run_root: Path) -> dic
     figures = role_costs(samples, run_.metrics, steps_per_fragment)
     if figures is None:
         return {**row, "error": "fewer than two iterations inside the sampled window: raise --seconds"}
-    processes = {role: n for role, n in figures.pop("processes").items()}
+    processes = figures.pop("processes")
     row.update(figures)
     row["ceilings"] = ceilings(row["us_per_step"], processes)
     row["processes"] = processes
