@@ -12,12 +12,16 @@ import functools
 import importlib
 import inspect
 import logging
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from rlplatform import internals
 from rlplatform.config.env_ids import runner_env_id
 from rlplatform.config.schema import MAX_ACTORS, ExperimentConfig, ModelSection
 from rlplatform.errors import UserError, did_you_mean
+
+if TYPE_CHECKING:
+    from ray.rllib.algorithms.algorithm_config import AlgorithmConfig
+    from ray.rllib.core.rl_module.default_model_config import DefaultModelConfig
 
 _CONFIG_CLASSES = {
     "PPO": ("ray.rllib.algorithms.ppo", "PPOConfig"),
@@ -33,14 +37,14 @@ EPISODE_RETURNS = "rlp_episode_returns"
 EPISODE_LENGTHS = "rlp_episode_lengths"
 
 
-def config_class(algorithm: str):
+def config_class(algorithm: str) -> type[AlgorithmConfig]:
     module_name, class_name = _CONFIG_CLASSES[algorithm]
     cls = getattr(importlib.import_module(module_name), class_name)
     quiet_rllib_logs()  # after the import: RLlib sets its loggers' levels when it loads
     return cls
 
 
-def _method_parameters(cls, method: str) -> set[str]:
+def _method_parameters(cls: type, method: str) -> set[str]:
     """Keyword names a config setter takes, following `**kwargs` up the class hierarchy."""
     names: set[str] = set()
     for klass in cls.__mro__:
@@ -213,7 +217,7 @@ def _multi_agent(algo_config, config: ExperimentConfig) -> None:
     algo_config.rl_module(rl_module_spec=MultiRLModuleSpec(rl_module_specs=specs))
 
 
-def record_episode(*, episode, metrics_logger, prev_episode_chunks=(),
+def record_episode(*, episode: Any, metrics_logger: Any, prev_episode_chunks: Sequence[Any] = (),
                    chunk_return: Optional[Callable[[Any], float]] = None, **_: Any) -> None:
     """Every finished episode's return and length, so the driver can keep an exact 100-episode window.
 
@@ -226,7 +230,7 @@ def record_episode(*, episode, metrics_logger, prev_episode_chunks=(),
     metrics_logger.log_value(EPISODE_LENGTHS, int(sum(len(c) for c in chunks)), reduce="item_series")
 
 
-def model_config(config: ExperimentConfig, model: Optional[ModelSection] = None):
+def model_config(config: ExperimentConfig, model: Optional[ModelSection] = None) -> DefaultModelConfig:
     from ray.rllib.core.rl_module.default_model_config import DefaultModelConfig
 
     m = model or config.model
@@ -254,7 +258,8 @@ def episode_recorder(speedups: bool) -> Callable[..., None]:
     return functools.partial(record_episode, chunk_return=chunk_return)
 
 
-def build_algorithm_config(config: ExperimentConfig, main_process_resources: Optional[dict[str, float]] = None):
+def build_algorithm_config(config: ExperimentConfig,
+                           main_process_resources: Optional[dict[str, float]] = None) -> AlgorithmConfig:
     """Map our schema onto RLlib's AlgorithmConfig (the only place that does)."""
     env_id = check(config)
     speedups = internals.enabled(config.speedups)
@@ -335,7 +340,7 @@ def _learner_class(config: ExperimentConfig, speedups: bool) -> dict[str, Any]:
     return {"learner_class": learner_class} if learner_class else {}  # else RLlib's default learner
 
 
-def resource_bundles(algo_config) -> list[dict[str, float]]:
+def resource_bundles(algo_config: AlgorithmConfig) -> list[dict[str, float]]:
     """The placement-group bundles RLlib asks for: [main process] + env runners + eval runners + learners.
 
     APPO/IMPALA's aggregator actors (1 CPU each, started by `Algorithm.setup` inside the group: the
