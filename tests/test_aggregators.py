@@ -160,5 +160,7 @@ def test_appo_trains_with_an_aggregator_actor(runs):
     rows = read_metrics(only_run_dir(runs, "aggregators"))
     assert [r["iteration"] for r in rows] == [1, 2]
     assert rows[-1]["env_steps"] > 0 and rows[-1]["faults/healthy_env_runners"] == 1.0
-    assert all(r["throughput/env_steps_trained_per_s"] > 0 for r in rows)  # the learner got the aggregator's batches
+    # the learner got the aggregator's batches (by the last iteration: an asynchronous first one may end before any
+    # batch is trained, on a slow machine)
+    assert rows[-1]["throughput/env_steps_trained_per_s"] > 0
     assert "learner/default_policy/policy_loss" in rows[-1], sorted(rows[-1])
