@@ -14,9 +14,15 @@ EXIT_USAGE = 2
 EXIT_FAILURE = 1
 
 
+def one_line(text: str) -> str:
+    """User text quoted in an error may hold any character: the error stays one line, control and line-separator
+    characters (which `str.splitlines` and terminals break on, `\x1e` and `\u2028` too) written as escapes."""
+    return "".join(ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii") for ch in text)
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # argparse's own errors keep our one-line format
-        print(f"error: {message}", file=sys.stderr)
+        print(f"error: {one_line(message)}", file=sys.stderr)
         sys.exit(EXIT_USAGE)
 
 
@@ -50,10 +56,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         return args.func(args)
     except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {one_line(str(exc))}", file=sys.stderr)
         return EXIT_USAGE
     except TrainingFailed as exc:
-        print(f"error: training failed: {exc}", file=sys.stderr)
+        print(f"error: training failed: {one_line(str(exc))}", file=sys.stderr)
         return EXIT_FAILURE
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)

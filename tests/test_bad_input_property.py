@@ -317,6 +317,7 @@ def test_fixed_nasty_set_values(tmp_path):
 
 
 # Found by this test (tracebacks in rlplatform/adapter and config/layouts.py): hypothesis tries them first, every run.
+@example(experiment=DEFAULT, options=["--set=algorithm.\x1e0=null"])  # a record separator: splitlines() breaks there
 @example(experiment=DEFAULT, options=["--set=rllib.environment.env_config=233"])
 @example(experiment=DEFAULT, options=["--set=rllib.env_runners.rollout_fragment_length=-3"])
 @example(experiment=DEFAULT, options=["--set=rllib.resources.num_cpus_for_main_process=null"])
