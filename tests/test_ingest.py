@@ -68,7 +68,7 @@ def test_points_skip_aggregators_for_ppo_and_refuse_bad_counts():
 @pytest.mark.slow
 def test_a_short_ingest_run_measures_every_role_and_their_cpu_adds_up(tmp_path):
     result = run_cli("bench", "ingest", "--algorithms", "APPO", "--episode-lens", "10", "--fragments", "25", "50",
-                     "--envs-per-runner", "8", "--seconds", "8", "--interval", "0.25", "-o", tmp_path, timeout=600)
+                     "--envs-per-runner", "8", "--seconds", "12", "--interval", "0.25", "-o", tmp_path, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     (path,) = tmp_path.glob("ingest-*/ingest.json")
     assert (path.parent / "ingest.png").is_file()

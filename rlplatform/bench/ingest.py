@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from rlplatform import console
-from rlplatform.bench.processes import run_processes, sample_processes
+from rlplatform.bench.processes import read_cpu, run_processes, sample_processes
 from rlplatform.bench.training_runs import add_training_arguments, bench_dir, finish, start, train_command, write_json
 from rlplatform.config.schema import AGGREGATOR_ALGORITHMS
 from rlplatform.errors import UserError
@@ -166,11 +166,6 @@ def measure_point(args: argparse.Namespace, point: Point, run_root: Path) -> dic
     capped = min(row["ceilings"].items(), key=lambda kv: kv[1]) if row["ceilings"] else None
     row["capped_by"], row["ceiling_env_steps_per_s"] = capped if capped else (None, None)
     return row
-
-
-def read_cpu(proc: Any, role: str) -> dict[str, Any]:
-    cpu = proc.cpu_times()
-    return {"cpu_s": cpu.user + cpu.system}
 
 
 def machine_cpu() -> dict[str, Any]:

@@ -102,6 +102,12 @@ def role_of(proc) -> Optional[str]:
     return RAY_EXECUTABLES.get(Path(title).name, "other")
 
 
+def read_cpu(proc: Any, role: str) -> dict[str, Any]:
+    """A process's CPU seconds so far, user and system (`/proc`): `sample_processes`' simplest `read`."""
+    cpu = proc.cpu_times()
+    return {"cpu_s": cpu.user + cpu.system}
+
+
 def sample_processes(processes: Callable[[], list[tuple[Any, str]]], read: Callable[[Any, str], dict[str, Any]],
                      started: float, interval_s: float, poll: Callable[[], Optional[int]],
                      machine: Optional[Callable[[], dict[str, Any]]] = None) -> list[dict[str, Any]]:

@@ -28,7 +28,14 @@ from pathlib import Path
 from typing import Any, Optional
 
 from rlplatform import console
-from rlplatform.bench.processes import add_node_arguments, check_nodes, loopback_cluster, run_processes, sample_processes
+from rlplatform.bench.processes import (
+    add_node_arguments,
+    check_nodes,
+    loopback_cluster,
+    read_cpu,
+    run_processes,
+    sample_processes,
+)
 from rlplatform.bench.training_runs import (
     add_training_arguments,
     bench_dir,
@@ -234,8 +241,7 @@ def iteration_figures(measured: list[dict[str, Any]], env_time_s: float, ideal: 
 
 def read_usage(proc, role: str) -> dict[str, Any]:
     """CPU seconds of every process of the run; RSS and USS of the driver, the algorithm's process, runners and learners."""
-    cpu = proc.cpu_times()
-    entry: dict[str, Any] = {"cpu_s": cpu.user + cpu.system}
+    entry = read_cpu(proc, role)
     if role in SAMPLED_ROLES:
         mem = proc.memory_full_info()
         entry.update(rss=mem.rss, uss=mem.uss)
