@@ -34,6 +34,19 @@ def test_role_costs_divide_each_roles_cpu_in_the_window_by_the_env_steps_sampled
                                       "env runner": 2 * 1e6 / 300.0})  # ray's daemons cap nothing: not a pipeline role
 
 
+def test_the_learners_gradient_cpu_in_the_window_splits_its_cost_into_gradient_and_host_side():
+    metrics = [{"wall_time_s": 10.0, "env_steps": 1_000, ingest.GRADIENT_KEY: 1.0},
+               {"wall_time_s": 30.0, "env_steps": 21_000, ingest.GRADIENT_KEY: 3.0}]
+    samples = [sample(10.0, 10.0, **{"2": 2.0}), sample(30.0, 40.0, **{"2": 6.0})]
+    costs = ingest.role_costs(samples, metrics, steps_per_fragment=1_600)
+    assert costs["gradient_us_per_step"] == pytest.approx(100.0)  # 2 s of 4 in gradient steps, over 20k env steps
+    point = ingest.Point("APPO", 10, 50, 0, 0)  # the learner in the algorithm's process
+    assert ingest.learner_host_cost(costs, point) == pytest.approx(100.0)
+    assert ingest.learner_host_cost(costs, ingest.Point("APPO", 10, 50, 0, 1)) is None  # no remote learner sampled
+    assert ingest.role_costs(samples, [{k: v for k, v in m.items() if k != ingest.GRADIENT_KEY} for m in metrics],
+                             1_600)["gradient_us_per_step"] is None  # speed-ups off: RLlib's learner logs none
+
+
 def test_a_window_without_two_samples_or_iterations_gives_none():
     metrics = [{"wall_time_s": 10.0, "env_steps": 1_000}, {"wall_time_s": 12.0, "env_steps": 2_000}]
     assert ingest.role_costs([sample(11.0, 0.0, **{"1": 1.0})], metrics, 100) is None
@@ -83,6 +96,9 @@ def test_a_short_ingest_run_measures_every_role_and_their_cpu_adds_up(tmp_path):
         assert point["cpu_s_total"] == pytest.approx(sum(point["cpu_s"].values()))
         assert 0 < point["cpu_s_total"] <= point["machine_busy_s"] * 1.05, point
         assert point["capped_by"] in ingest.PIPELINE_ROLES and point["ceiling_env_steps_per_s"] > 0
+        # the local learner's gradient steps are part of the algorithm's process, and less than all of it
+        assert 0 < point["gradient_us_per_step"] < point["us_per_step"]["algorithm + local learner"], point
+        assert point["learner_host_us_per_step"] > 0
     (fit,) = data["fit"]
     assert fit["fragments"] == [25, 50] and "env runner" in fit["roles"]
     assert "bench ingest" in result.stdout and "capped by" in result.stdout

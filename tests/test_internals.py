@@ -719,6 +719,11 @@ def test_with_the_switch_off_the_algorithm_config_is_plain_rllib():
         "assert on.merge_env_runner_states is False  # no connector of the experiment's own: nothing to merge\n"
         "own = build_algorithm_config(resolve_experiment(None).config.model_copy(update={'rllib': {'env_runners': {'env_to_module_connector': print}}}))\n"
         "assert own.merge_env_runner_states == 'training_only'  # a connector of its own may hold state: RLlib merges\n"
+        "appo = ['algorithm=APPO', 'training={lr: 0.0005}', 'scale.rollout_fragment_length=50']\n"
+        "assert build_algorithm_config(resolve_experiment(None, appo + ['speedups=false']).config).timeout_s_sampler_manager == 0.0\n"
+        "assert build_algorithm_config(resolve_experiment(None, appo).config).timeout_s_sampler_manager > 0  # waits, not polls\n"
+        "given = resolve_experiment(None, appo + ['training.timeout_s_sampler_manager=0.5']).config\n"
+        "assert build_algorithm_config(given).timeout_s_sampler_manager == 0.5  # the experiment's own value wins\n"
         "assert connector_v2.inspect is not inspect and deterministic.set_torch_seed is not torch_utils.set_torch_seed\n"
         "print('ok')\n"
     )

@@ -110,6 +110,21 @@ def test_same_update_as_rllib(episodes):
         torch.testing.assert_close(after_lean[name], value, rtol=1e-4, atol=1e-6)
 
 
+def test_the_gradient_steps_cpu_time_is_summed_over_the_run(episodes):
+    """`bench ingest` splits the learner's cost with it: only the gradient steps count, and only lean learners log it."""
+    from ray.rllib.core import ALL_MODULES
+
+    from rlplatform.internals import GRADIENT_CPU_S
+
+    lean, plain = learner(), learner("speedups=false")
+    results = lean.update(episodes=copy.deepcopy(episodes), timesteps={"num_env_steps_sampled_lifetime": 400},
+                          num_epochs=3, minibatch_size=100)
+    stats = results[ALL_MODULES][GRADIENT_CPU_S]
+    assert type(stats).__name__ == "LifetimeSumStats" and stats.peek() > 0  # the algorithm's logger sums it over the run
+    results = plain.update(episodes=copy.deepcopy(episodes), timesteps={"num_env_steps_sampled_lifetime": 400}, num_epochs=1)
+    assert GRADIENT_CPU_S not in results[ALL_MODULES]
+
+
 def test_non_finite_gradients_take_rllibs_path():
     lean, plain = learner(), learner("speedups=false")
     for each in (lean, plain):

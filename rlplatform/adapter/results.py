@@ -12,7 +12,7 @@ from numbers import Number
 from typing import Any, Optional, SupportsFloat, cast
 
 from rlplatform.adapter.algorithm_config import EPISODE_LENGTHS, EPISODE_RETURNS
-from rlplatform.internals import WEIGHTS_APPLY_S
+from rlplatform.internals import GRADIENT_CPU_S, WEIGHTS_APPLY_S
 
 ENV_STEPS = "env_steps"  # x axis of every curve
 _LEARNER_RENAMES = {"default_optimizer_learning_rate": "lr", "mean_kl_loss": "kl"}
@@ -88,6 +88,8 @@ def from_rllib_result(result: dict[str, Any], epochs_per_batch: int = 1) -> dict
         "time/sync_weights_s": _number(timers.get("synch_weights")),
         # The slowest runner's apply of the weights it last received (fetch included), set by the lean env runners.
         "time/weights_apply_s": _number(runners.get(WEIGHTS_APPLY_S)),
+        # CPU seconds the learners spent in gradient steps so far (the lean learners only; bench ingest).
+        "cpu/learner_gradient_s": _number(_get(result, "learners", "__all_modules__", GRADIENT_CPU_S)),
         "faults/healthy_env_runners": _number(_get(result, "fault_tolerance", "num_healthy_workers")),
         "faults/env_runner_restarts": _number(_get(result, "fault_tolerance", "num_remote_worker_restarts")),
         "eval/return_mean": _number(_get(result, "evaluation", "env_runners", "episode_return_mean")),

@@ -9,7 +9,9 @@ seconds). Over the measured window (first iteration's end to the last's) each ro
 env steps sampled in it: CPU microseconds per env step, and per fragment (one runner's sample: envs per
 runner x fragment steps). A role's ceiling is the cores it has (one per process) over its cost per step;
 the lowest ceiling caps the pipeline. Where two points differ only in the fragment, each role's cost is
-split into a part per env step and a part per fragment (`fit`).
+split into a part per env step and a part per fragment (`fit`). The learner's own cost is split too: its
+gradient steps (forward, loss, backward, optimizer: the CPU time the lean learners log for them) and its host
+side (the rest of its process: connectors, batch assembly, copies to the device, metrics).
 
 Results: `<output>/ingest-<name>-<time>/ingest.json`, `ingest.png`, and the tables.
 """
@@ -34,6 +36,7 @@ INGEST_ENV = "rlplatform/Firehose-v0"
 DEFAULT_EXPERIMENT = Path("experiments/cartpole_ppo.yaml")  # its model; the bench sets the algorithm and batch
 # Roles that are the pipeline's own; Ray's daemons and agents are summed as "ray".
 PIPELINE_ROLES = ("driver", "algorithm + local learner", "env runner", "aggregator", "learner")
+GRADIENT_KEY = "cpu/learner_gradient_s"  # the learners' CPU seconds in gradient steps so far (run metrics)
 MIN_ITERATION_S = 2.0  # APPO/IMPALA iterate at least 10 s by default: shorter, so that a point has several
 WARMUP_ITERATIONS = 2  # an asynchronous algorithm's first iteration may return before any sample arrives
 
@@ -161,11 +164,21 @@ def measure_point(args: argparse.Namespace, point: Point, run_root: Path) -> dic
         return {**row, "error": "fewer than two iterations inside the sampled window: raise --seconds"}
     processes = figures.pop("processes")
     row.update(figures)
+    row["learner_host_us_per_step"] = learner_host_cost(row, point)
     row["ceilings"] = ceilings(row["us_per_step"], processes)
     row["processes"] = processes
     capped = min(row["ceilings"].items(), key=lambda kv: kv[1]) if row["ceilings"] else None
     row["capped_by"], row["ceiling_env_steps_per_s"] = capped if capped else (None, None)
     return row
+
+
+def learner_host_cost(row: dict[str, Any], point: Point) -> Optional[float]:
+    """The learner's CPU per env step outside its gradient steps (connectors, batch assembly, copies, metrics): its
+    process's cost less the gradient steps' CPU. With the learner in the algorithm's process, that process's
+    training_step work is in it too."""
+    role = "learner" if point.learners else "algorithm + local learner"
+    gradient = row.get("gradient_us_per_step")
+    return None if gradient is None or role not in row["us_per_step"] else row["us_per_step"][role] - gradient
 
 
 def machine_cpu() -> dict[str, Any]:
@@ -180,9 +193,10 @@ def role_of_sample(role: str) -> str:
     return role if role in PIPELINE_ROLES else "ray"
 
 
-def _steps_at(metrics: list[dict[str, Any]], t: float) -> float:
-    """Env steps sampled by time `t` (seconds since the command started), linear between the iterations' rows."""
-    points = [(m["wall_time_s"], float(m["env_steps"])) for m in metrics]
+def _steps_at(metrics: list[dict[str, Any]], t: float, key: str = "env_steps") -> float:
+    """Env steps sampled (or another running total) by time `t` (seconds since the command started), linear
+    between the iterations' rows."""
+    points = [(m["wall_time_s"], float(m[key])) for m in metrics]
     for (t0, s0), (t1, s1) in zip(points, points[1:]):
         if t0 <= t <= t1:
             return s0 + (s1 - s0) * (t - t0) / (t1 - t0) if t1 > t0 else s1
@@ -216,8 +230,12 @@ def role_costs(samples: list[dict[str, Any]], metrics: list[dict[str, Any]],
         processes[role] = processes.get(role, 0) + 1
     total = sum(cpu.values())
     machine = (last["machine_busy_s"] - first["machine_busy_s"]) if "machine_busy_s" in first else None
+    gradient = None
+    if all(GRADIENT_KEY in m for m in flowing):  # the lean learners log their gradient steps' CPU
+        gradient = _steps_at(flowing, last["t"], GRADIENT_KEY) - _steps_at(flowing, first["t"], GRADIENT_KEY)
     return {
         "window_s": seconds, "env_steps": steps, "env_steps_per_s": steps / seconds,
+        "gradient_us_per_step": None if gradient is None else 1e6 * gradient / steps,
         "us_per_step": {role: 1e6 * c / steps for role, c in cpu.items()},
         "ms_per_fragment": {role: 1e3 * c * steps_per_fragment / steps for role, c in cpu.items()},
         "cpu_percent": {role: 100 * c / seconds for role, c in cpu.items()},
@@ -259,6 +277,8 @@ def _row_line(row: dict[str, Any]) -> str:
     if row.get("error"):
         return f"  failed: {row['error']}"
     costs = ", ".join(f"{role} {row['us_per_step'][role]:.1f}" for role in PIPELINE_ROLES if role in row["us_per_step"])
+    if row.get("gradient_us_per_step") is not None:
+        costs += f" (gradient steps {row['gradient_us_per_step']:.1f}, learner host side {row['learner_host_us_per_step']:.1f})"
     return (f"  {row['env_steps_per_s']:,.0f} env steps/s; CPU us per env step: {costs}; "
             f"capped by {row['capped_by']} at {row['ceiling_env_steps_per_s']:,.0f} env steps/s")
 
@@ -274,14 +294,16 @@ def print_tables(result: dict[str, Any]) -> None:
     roles = [*PIPELINE_ROLES, "ray"]
     table = Table(title=f"bench ingest: CPU us per env step by role ({result['runners']} runner(s) x "
                         f"{result['envs_per_runner']} envs, Firehose, obs {result['obs_size']})")
-    for column in ("algorithm", "episode", "fragment", "agg/learner", "learners", "env steps/s", *roles, "capped by", "ceiling"):
+    for column in ("algorithm", "episode", "fragment", "agg/learner", "learners", "env steps/s", *roles,
+                   "gradient", "learner host", "capped by", "ceiling"):
         table.add_column(column, justify="right")
     for r in result["points"]:
         name = (r["algorithm"], str(r["episode_len"]), str(r["fragment"]), str(r["aggregators"]), str(r["learners"]))
         if r.get("error"):
-            table.add_row(*name, "failed", *[""] * (len(roles) + 2))
+            table.add_row(*name, "failed", *[""] * (len(roles) + 4))
             continue
         table.add_row(*name, f"{r['env_steps_per_s']:,.0f}", *(_fmt(r["us_per_step"].get(k), ".1f") for k in roles),
+                      _fmt(r.get("gradient_us_per_step"), ".1f"), _fmt(r.get("learner_host_us_per_step"), ".1f"),
                       str(r["capped_by"]), _fmt(r["ceiling_env_steps_per_s"], ",.0f"))
     fits = Table(title="per env step (us) + per fragment (ms), from two fragment lengths")
     for column in ("algorithm", "episode", "agg/learner", "learners", *PIPELINE_ROLES):

@@ -22,6 +22,8 @@ LEAN_OFF_POLICY_ALGORITHMS = ("DQN", "SAC")
 _warned_versions: set[str] = set()
 # The env runners' metric (reduce max) of how long applying synced weights took, fetch included.
 WEIGHTS_APPLY_S = "rlp_weights_apply_s"
+# The lean learners' CPU seconds in gradient steps, summed over the run (under ALL_MODULES in the learner results).
+GRADIENT_CPU_S = "rlp_gradient_cpu_s"
 
 
 def ray_version() -> str:

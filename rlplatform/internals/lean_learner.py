@@ -24,6 +24,7 @@ flat tensor batches with `LeanMiniBatchIterator` (the same minibatches to the bi
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 import numpy as np
@@ -44,11 +45,11 @@ from ray.rllib.core.rl_module.torch.torch_rl_module import TorchRLModule
 from ray.rllib.evaluation.postprocessing import Postprocessing
 from ray.rllib.policy.sample_batch import MultiAgentBatch, SampleBatch
 from ray.rllib.utils.framework import try_import_torch
-from ray.rllib.utils.metrics import DIFF_NUM_GRAD_UPDATES_VS_SAMPLER_POLICY, WEIGHTS_SEQ_NO
+from ray.rllib.utils.metrics import ALL_MODULES, DIFF_NUM_GRAD_UPDATES_VS_SAMPLER_POLICY, WEIGHTS_SEQ_NO
 from ray.rllib.utils.minibatch_utils import MiniBatchCyclicIterator
 from ray.rllib.utils.torch_utils import explained_variance
 
-from rlplatform.internals import install_in_process
+from rlplatform.internals import GRADIENT_CPU_S, install_in_process
 
 if TYPE_CHECKING:
     import torch
@@ -144,6 +145,18 @@ class LeanUpdate:
     def update(self, *args, **kwargs):
         with _train_mode_held(self.module):
             return super().update(*args, **kwargs)
+
+    def _update(self, batch: dict) -> Any:
+        """RLlib's gradient step (forward, loss, backward, optimizer) on one minibatch, its CPU time logged.
+
+        `GRADIENT_CPU_S` is this thread's CPU time (`time.thread_time`) in the step: `bench ingest` subtracts
+        it from the learner process's CPU to tell the host side (connectors, batch assembly, copies) from the
+        update itself. Torch's own worker threads, where it uses more than one, are not counted."""
+        started = time.thread_time()
+        try:
+            return super()._update(batch)  # type: ignore[misc]  # mixin: on the RLlib class in the MRO
+        finally:
+            self.metrics.log_value((ALL_MODULES, GRADIENT_CPU_S), time.thread_time() - started, reduce="lifetime_sum")
 
     def _create_iterator_if_necessary(self, **kwargs):
         batch_iter = super()._create_iterator_if_necessary(**kwargs)
