@@ -15,7 +15,7 @@ from rlplatform.config.experiment import resolve_experiment
 from rlplatform.config.schema import validate
 from rlplatform.config.sizing import Resources
 from rlplatform.errors import UserError
-from rlplatform.run.plan import make_plan
+from rlplatform.run.plan import make_plan, runs_algorithm_in_driver
 
 TWO_CORES = Resources(2, 0, [{"CPU": 2, "GPU": 0}])
 EIGHT_CORES = Resources(8, 0, [{"CPU": 8, "GPU": 0}])
@@ -92,6 +92,20 @@ def test_a_run_with_aggregators_never_keeps_the_algorithm_in_the_driver():
     with_one = plan_for([*APPO, "scale.env_runners=0", "scale.aggregators_per_learner=1"], TWO_CORES)
     assert with_one.bundles == [{"CPU": 1.0}, {"CPU": 1.0}]
     assert not with_one.algorithm_in_driver  # an actor in the placement group, which holds the aggregator's bundle
+
+
+def test_where_the_algorithm_runs_follows_scale_algorithm_in():
+    runners = [*APPO, "scale.env_runners=1"]
+    assert plan_for(runners, TWO_CORES).algorithm_in_driver  # auto, a private local instance: no actor to start
+    assert not plan_for([*runners, "scale.algorithm_in=actor"], TWO_CORES).algorithm_in_driver
+    assert plan_for([*runners, "scale.aggregators_per_learner=1", "scale.algorithm_in=driver"], SIXTEEN_CORES).algorithm_in_driver
+    bundles = [{"CPU": 1.0}, {"CPU": 1.0}]
+    on_a_cluster = resolve_experiment(None, runners, "laptop").config
+    assert not runs_algorithm_in_driver(on_a_cluster, bundles, joined_cluster=True)  # the actor places the run's actors
+    with pytest.raises(UserError, match="scale.algorithm_in: driver needs a private local instance"):
+        runs_algorithm_in_driver(resolve_experiment(None, [*runners, "scale.algorithm_in=driver"], "laptop").config,
+                                 bundles, joined_cluster=True)
+    assert not runs_algorithm_in_driver(on_a_cluster, [{"CPU": 1.0, "GPU": 1.0}], joined_cluster=False)  # a GPU learner
 
 
 def test_preflight_refuses_a_cluster_too_small_for_the_aggregators():

@@ -89,7 +89,7 @@ def test_solve_reports_each_seed_and_the_median_with_startup_apart(tmp_path):
 @pytest.mark.slow
 def test_soak_reads_memory_of_driver_algorithm_and_runner(tmp_path):
     result = run_cli("bench", "soak", "--minutes", "0.5", "--warmup-minutes", "0.15", "--interval", "2",
-                     "--set", "scale.env_runners=1", "-o", tmp_path, timeout=600)
+                     "--set", "scale.env_runners=1", "--set", "scale.algorithm_in=actor", "-o", tmp_path, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     (path,) = tmp_path.glob("soak-cartpole-ppo-*/soak.json")
     data = json.loads(path.read_text())

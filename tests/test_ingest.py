@@ -71,7 +71,7 @@ def test_two_fragment_lengths_split_a_roles_cost_into_per_step_and_per_fragment(
 def test_points_skip_aggregators_for_ppo_and_refuse_bad_counts():
     args = type("Args", (), dict(algorithms=["PPO", "APPO"], episode_lens=[10], fragments=[50], aggregators=[0, 1],
                                  learners=[0], runners=1, envs_per_runner=4, obs_size=4, seconds=5.0, interval=0.5,
-                                 cpus=0.5))()
+                                 cpus=0.5, nodes=0, node_cpus=2.0))()
     assert [(p.algorithm, p.aggregators) for p in ingest._points(args)] == [("PPO", 0), ("APPO", 0), ("APPO", 1)]
     args.fragments = [0]
     with pytest.raises(ingest.UserError, match="--fragments"):

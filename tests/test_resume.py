@@ -128,10 +128,11 @@ def test_a_full_disk_ends_the_run_with_one_line_and_every_earlier_checkpoint_who
 
 
 def test_max_failures_rebuilds_the_algorithm_from_its_newest_checkpoint_when_its_actor_dies(runs):
-    # One remote env runner (laptop profile): the algorithm lives in an actor of the run's placement group.
+    # One remote env runner (laptop profile); the algorithm in an actor of the run's placement group, as on a cluster.
     run = subprocess.Popen(
         [sys.executable, "-m", "rlplatform", "train", "--runs-dir", str(runs), "--profile", "laptop", *UNTIL_CLOCK,
-         "--set", "stop.iterations=10", "--set", "checkpoint.every=2", "--max-failures", "2"],
+         "--set", "stop.iterations=10", "--set", "checkpoint.every=2", "--set", "scale.algorithm_in=actor",
+         "--max-failures", "2"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     killed = None

@@ -27,7 +27,15 @@ from pathlib import Path
 from typing import Any, Optional
 
 from rlplatform import console
-from rlplatform.bench.processes import read_cpu, run_processes, sample_processes
+from rlplatform.bench.processes import (
+    LoopbackCluster,
+    add_node_arguments,
+    check_nodes,
+    loopback_cluster,
+    read_cpu,
+    run_processes,
+    sample_processes,
+)
 from rlplatform.bench.training_runs import add_training_arguments, bench_dir, finish, start, train_command, write_json
 from rlplatform.config.schema import AGGREGATOR_ALGORITHMS
 from rlplatform.errors import UserError
@@ -81,6 +89,7 @@ def add_verb(verbs: Any) -> None:  # argparse's sub-parsers action
     q.add_argument("--cpus", type=float, default=0.5,
                    help="CPUs reserved for the driver and each runner and learner, so that points fit on small "
                         "machines; processes use what they can get (default: 0.5)")
+    add_node_arguments(q)  # RLlib gives each aggregator actor 1 CPU: more than 2 need more CPUs than this machine has
     q.set_defaults(func=run)
 
 
@@ -96,13 +105,18 @@ def run(args: argparse.Namespace) -> int:
         check(resolve_experiment(args.experiment, [*args.overrides, *point_overrides(args, point)], args.profile).config)
     root = bench_dir(args.output, "ingest", base.name)
     rows = []
-    for point in points:
-        console.say(f"ingest: {point} ...")
-        row = measure_point(args, point, root / point.key)
-        rows.append(row)
-        console.say(_row_line(row))
+    with loopback_cluster(args.nodes, args.node_cpus) as cluster:
+        if cluster is not None:
+            args.address = cluster.address
+            console.say(f"ingest: a cluster of {args.nodes} loopback nodes at {cluster.address}, {args.node_cpus:g} CPUs each")
+        for point in points:
+            console.say(f"ingest: {point} ...")
+            row = measure_point(args, point, root / point.key, cluster)
+            rows.append(row)
+            console.say(_row_line(row))
     result = {"experiment": base.name, "env": INGEST_ENV, "runners": args.runners, "envs_per_runner": args.envs_per_runner,
               "obs_size": args.obs_size, "seconds": args.seconds, "cpus": args.cpus, "overrides": args.overrides,
+              "nodes": args.nodes, "node_cpus": args.node_cpus if args.nodes else None,
               "points": rows, "fit": fit_fragment_costs(rows), "timestamp": time.time()}
     path = write_json(root / "ingest.json", result)
     plot(result, root / "ingest.png")
@@ -118,6 +132,7 @@ def _points(args: argparse.Namespace) -> list[Point]:
         raise UserError("--aggregators and --learners take counts >= 0")
     if args.seconds <= 0 or args.interval <= 0 or args.cpus <= 0:
         raise UserError("--seconds, --interval and --cpus must be > 0")
+    check_nodes(args)
     points = []
     for algorithm, episode_len, fragment, aggregators, learners in itertools.product(
             args.algorithms, args.episode_lens, args.fragments, sorted(set(args.aggregators)), sorted(set(args.learners))):
@@ -147,12 +162,15 @@ def point_overrides(args: argparse.Namespace, point: Point) -> list[str]:
         f"stop.iterations={WARMUP_ITERATIONS + math.ceil(args.seconds / MIN_ITERATION_S)}", "stop.wall_time_s=null",
         "stop.return_mean=null", "stop.env_steps=null",
         "checkpoint.every=0", "evaluation.interval=0",
+        "scale.algorithm_in=actor",  # its own process: the driver's CPU and training_step's are read apart
     ]
 
 
-def measure_point(args: argparse.Namespace, point: Point, run_root: Path) -> dict[str, Any]:
-    proc, started = start(train_command(args, run_root, point_overrides(args, point)), run_root)
-    samples = sample_processes(lambda: run_processes(proc.pid, None), read_cpu, started, args.interval, poll=proc.poll,
+def measure_point(args: argparse.Namespace, point: Point, run_root: Path,
+                  cluster: Optional[LoopbackCluster] = None) -> dict[str, Any]:
+    proc, started = start(train_command(args, run_root, point_overrides(args, point)), run_root,
+                          env=cluster.head.env if cluster else None)
+    samples = sample_processes(lambda: run_processes(proc.pid, cluster), read_cpu, started, args.interval, poll=proc.poll,
                                machine=machine_cpu)
     run_ = finish(proc, started, run_root, run_root, timeout_s=args.seconds + 300)
     steps_per_fragment = args.envs_per_runner * point.fragment

@@ -173,6 +173,7 @@ def point_overrides(args: argparse.Namespace, base, point: Point, runner_cpus: f
         f"training.train_batch_size_per_learner={batch}",
         f"stop.iterations={args.iterations + 1}", "stop.return_mean=null", "stop.env_steps=null", "stop.wall_time_s=null",
         "checkpoint.every=0", "evaluation.interval=0",
+        "scale.algorithm_in=actor",  # its own process: the driver's CPU and the algorithm's are read apart
     ]
     minibatch = base.training.get("minibatch_size")
     if point.model == "large":

@@ -1,8 +1,8 @@
 """`rlplatform train`: resolve, check, size, start Ray, train, log, checkpoint, stop.
 
 Read top to bottom: `run` prepares everything that can fail on bad input before Ray starts
-(`run.plan`), then `run.loop.train_loop` drives the Algorithm (in the driver when a local run is
-one CPU process, else in an actor of the run's placement group: see `run.algorithm_host`).
+(`run.plan`), then `run.loop.train_loop` drives the Algorithm (in the driver on a private local
+instance, else in an actor of the run's placement group: `scale.algorithm_in`, `run.plan`, `run.algorithm_host`).
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
             url = tensorboard.start(plan.run_dir, port=args.dashboard_port)
             console.say(f"TensorBoard: {url}")
         if not connected:
-            local_ray.connect(None, plan.resources, prestart_workers=not plan.algorithm_in_driver,
+            local_ray.connect(None, plan.resources, prestart_workers=len(plan.bundles) > 1 or not plan.algorithm_in_driver,
                               speedups=plan.config.speedups)
             connected = True
         plan.ray_ready_at = time.time()

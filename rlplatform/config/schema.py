@@ -55,6 +55,10 @@ class ScaleSection(Section):
     # num_aggregator_actors_per_learner). 0: the learners do it themselves.
     aggregators_per_learner: int = Field(0, ge=0)
     placement: Literal["pack", "spread", "strict_pack", "strict_spread"] = "pack"
+    # Where the Algorithm (RLlib's training_step, and a local learner) runs: "actor", an actor in the run's placement
+    # group; "driver", the `train` process itself (a private local instance only); "auto": the driver on a private
+    # local instance without a GPU or aggregators in the main process, else an actor (run/plan.py).
+    algorithm_in: Literal["auto", "driver", "actor"] = "auto"
 
     @field_validator("rollout_fragment_length")
     @classmethod

@@ -2,11 +2,10 @@
 
 Running the Algorithm inside an actor of the placement group (as Ray Tune does) is what
 makes RLlib honour `placement` (pack/spread) for env runners and learners on a cluster: every
-actor the Algorithm starts lands in the group's bundles. A local run that is a single CPU process
-(sampling and learning in the main process, which `--profile auto` chooses for a synchronous
-algorithm on a 2-core machine) has nothing to place, and that actor's start (a fresh process
-importing RLlib and torch, seconds on a small machine) was the largest part of its start-up; it
-builds the Algorithm in the driver, as plain RLlib scripts do. Either way the driver keeps the
+actor the Algorithm starts lands in the group's bundles. On a private local instance (one node)
+there is nothing to place, and that actor's start (a fresh process importing RLlib and torch,
+seconds on a small machine) was the largest part of a run's start-up: there the Algorithm is built
+in the driver, as plain RLlib scripts do (`scale.algorithm_in`, decided in `run.plan`). Either way the driver keeps the
 loop, the logs and the signals and calls the same `AlgorithmHost` methods through `call`.
 """
 
@@ -70,6 +69,16 @@ class AlgorithmHost:
 
         return env_runner_node_ids(self.algo)
 
+    def learner_nodes(self) -> list[str]:
+        from rlplatform.adapter.learners import learner_node_ids
+
+        return learner_node_ids(self.algo)
+
+    def learner_weights(self) -> list[str]:
+        from rlplatform.adapter.learners import weight_digests
+
+        return weight_digests(self.algo)
+
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
@@ -127,7 +136,7 @@ class ActorHost:
 
 
 class InProcessHost:
-    """An AlgorithmHost in the driver (a local run in one CPU process)."""
+    """An AlgorithmHost in the driver (a run on a private local instance)."""
 
     where = "driver"
 

@@ -141,6 +141,18 @@ class RunSession:
         except (OSError, HostFailed) as exc:
             raise TrainingFailed(_checkpoint_failed(f"checkpoint {metrics['iteration']} could not be written", exc, self.checkpoints)) from None
 
+    def check_learners(self) -> None:
+        """Several learners all-reduce every step, so they must end with the same weights: compared and recorded
+        (manifest `learners`); a mismatch is said, not raised (the run's checkpoints hold learner 0's weights)."""
+        digests = self._live_host().call("learner_weights")
+        equal = len(set(digests)) == 1
+        rundir.record_start(self.run_dir, "learners", {"count": len(digests), "weights_equal": equal, "digests": digests})
+        if equal:
+            console.say(f"learners: {len(digests)}, the same weights (SHA-256 {digests[0][:12]})")
+        else:
+            console.say(f"warning: the {len(digests)} learners ended with different weights: {', '.join(d[:12] for d in digests)}",
+                        style="bold red")
+
     def close(self, saved: Optional[Path] = None, failed: bool = False) -> None:
         self.logger.finish(saved, failed=failed)
         _close_quietly(self.logger)  # on a full disk its last flush fails too; the run's outcome is said elsewhere
@@ -180,6 +192,8 @@ def train_loop(plan: Plan) -> int:
             every = config.checkpoint.every
             if reason is not None or (every and metrics["iteration"] % every == 0):
                 saved = session.save(metrics)
+        if config.scale.learners > 1:
+            session.check_learners()
     except OSError as exc:
         if exc.errno not in NO_ROOM:
             raise
@@ -202,7 +216,8 @@ def _start_host(plan: Plan, resume_from: Optional[CheckpointInfo], record_placem
                                     in_driver=plan.algorithm_in_driver)
         if record_placement:
             rundir.record_start(plan.require_run_dir(), "placement", {"algorithm_node": host.call("node_id"), "algorithm_in": host.where,
-                                                            "env_runner_nodes": host.call("env_runner_nodes")})
+                                                            "env_runner_nodes": host.call("env_runner_nodes"),
+                                                            "learner_nodes": host.call("learner_nodes")})
         if resume_from:
             _say_replay_buffer(host.call("restore", str(resume_from.path.resolve())).get("replay_buffer"))
     except HostFailed as exc:

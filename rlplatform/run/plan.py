@@ -11,6 +11,7 @@ from rlplatform.adapter import speedups
 from rlplatform.config.experiment import ResolvedExperiment
 from rlplatform.config.schema import ExperimentConfig
 from rlplatform.config.sizing import Resources, preflight, size_to_cluster
+from rlplatform.errors import UserError
 from rlplatform.run.checkpoints import CheckpointInfo, first_usable, list_checkpoints, newest_first
 
 
@@ -28,7 +29,7 @@ class Plan:
     envs_choice: dict = field(default_factory=dict)  # envs per runner: value, source, measured step cost
     envs_note: Optional[str] = None  # the start-up line of a choice from the step-cost measurement
     ray_ready_at: Optional[float] = None  # time.time() when Ray was up
-    algorithm_in_driver: bool = False  # see algorithm_host: a local run in one process, without GPUs
+    algorithm_in_driver: bool = False  # scale.algorithm_in, resolved: see runs_algorithm_in_driver
 
     def require_run_dir(self) -> Path:
         """The run directory, which `train` and `tune` make once the plan holds (after `--print-config`)."""
@@ -56,10 +57,26 @@ def make_plan(resolved: ResolvedExperiment, resources: Resources, joined_cluster
     main_resources = _driver_node_resource() if joined_cluster else {}
     bundles = algorithm_config.resource_bundles(algorithm_config.build_algorithm_config(config, main_resources))
     preflight(bundles, resources)
-    one_cpu_process = len(bundles) == 1 and not bundles[0].get("GPU", 0)  # no runner or learner actors, no GPU
     return Plan(config=config, resources=resources, bundles=bundles, main_process_resources=main_resources,
                 layout_note=layout_note, envs_choice=envs_choice, envs_note=envs_note,
-                algorithm_in_driver=one_cpu_process and not joined_cluster)
+                algorithm_in_driver=runs_algorithm_in_driver(config, bundles, joined_cluster))
+
+
+def runs_algorithm_in_driver(config: ExperimentConfig, bundles: list[dict[str, float]], joined_cluster: bool) -> bool:
+    """`scale.algorithm_in`. On a private local instance (one node) a placement group has nothing to place, and the
+    actor that holds the Algorithm costs a fresh process importing RLlib and torch (3-4 s of a 2-core machine's
+    start-up): "auto" builds the Algorithm in the driver there, as plain RLlib scripts do, unless its process needs
+    a GPU or the run has aggregator actors (both kept in the group's bundles). On a cluster the actor places the
+    run's actors as `scale.placement` says."""
+    choice = config.scale.algorithm_in
+    if choice == "actor":
+        return False
+    if joined_cluster:
+        if choice == "driver":
+            raise UserError("scale.algorithm_in: driver needs a private local instance (no --address); on a cluster the "
+                            "algorithm's actor places the run's actors (scale.placement)")
+        return False
+    return choice == "driver" or (not bundles[0].get("GPU", 0) and not config.scale.aggregators_per_learner)
 
 
 def _envs_choice(config: ExperimentConfig, resolved: ResolvedExperiment, resize: bool, layout_note: Optional[str],
