@@ -108,6 +108,24 @@ def test_where_the_algorithm_runs_follows_scale_algorithm_in():
     assert not runs_algorithm_in_driver(on_a_cluster, [{"CPU": 1.0, "GPU": 1.0}], joined_cluster=False)  # a GPU learner
 
 
+def test_several_learners_without_aggregators_need_a_whole_sample_each():
+    two = [*APPO, "scale.learners=2", "scale.envs_per_runner=32", "scale.rollout_fragment_length=50"]
+    with pytest.raises(UserError, match=r"2 learners and no aggregators .* samples of 1,600 env steps .* a train batch "
+                                        r"of 1,000 takes 1 sample\(s\)"):
+        plan_for([*two, "training.train_batch_size_per_learner=500"], SIXTEEN_CORES)
+    assert plan_for([*two, "training.train_batch_size_per_learner=1600"], SIXTEEN_CORES)  # one sample per learner
+    assert plan_for([*two, "training.train_batch_size_per_learner=500", "scale.aggregators_per_learner=1"], SIXTEEN_CORES)
+
+
+def test_fractional_cpu_learners_that_fit_two_to_a_bundle_are_refused_with_aggregators():
+    two = [*APPO, "scale.learners=2", "scale.aggregators_per_learner=1"]
+    with pytest.raises(UserError, match=r"hardware.cpus_per_learner = 0.5 with 2 CPU learners .* whole number of CPUs"):
+        plan_for([*two, "hardware.cpus_per_learner=0.5"], SIXTEEN_CORES)
+    for fits in ("1", "1.5", "2"):  # whole CPUs leave whole CPUs for the aggregators; 1.5: two learners exceed a bundle
+        assert plan_for([*two, f"hardware.cpus_per_learner={fits}"], SIXTEEN_CORES)
+    assert plan_for([*APPO, "scale.learners=1", "scale.aggregators_per_learner=2", "hardware.cpus_per_learner=0.5"], SIXTEEN_CORES)
+
+
 def test_preflight_refuses_a_cluster_too_small_for_the_aggregators():
     fits = plan_for([*APPO, "scale.env_runners=1"], TWO_CORES)
     assert cpus(fits.bundles) == 2

@@ -45,6 +45,8 @@ def test_the_learners_gradient_cpu_in_the_window_splits_its_cost_into_gradient_a
     assert ingest.learner_host_cost(costs, ingest.Point("APPO", 10, 50, 0, 1)) is None  # no remote learner sampled
     assert ingest.role_costs(samples, [{k: v for k, v in m.items() if k != ingest.GRADIENT_KEY} for m in metrics],
                              1_600)["gradient_us_per_step"] is None  # speed-ups off: RLlib's learner logs none
+    gap = [metrics[0], {"wall_time_s": 20.0, "env_steps": 11_000}, metrics[1]]  # an iteration without a learner result
+    assert ingest.role_costs(samples, gap, 1_600)["gradient_us_per_step"] == pytest.approx(100.0)
 
 
 def test_a_window_without_two_samples_or_iterations_gives_none():

@@ -185,10 +185,51 @@ def check(config: ExperimentConfig) -> str:
         for key in kwargs:
             if key not in accepted:
                 raise UserError(f"rllib.{method}.{key}: not an argument of {method}(){did_you_mean(key, accepted)}")
+    _check_samples_per_learner(config)
+    _check_learner_bundles(config)
     env_id = runner_env_id(config.env)
     if is_multi_agent_env(config.env) and config.multi_agent is None:
         raise UserError(f"env {config.env!r} is multi-agent: add a multi_agent section (policies, mapping)")
     return env_id
+
+
+def _check_samples_per_learner(config: ExperimentConfig) -> None:
+    """APPO/IMPALA without aggregators hand each learner whole runner samples (RLlib shards the list of sample
+    references): an update with fewer samples than learners leaves a learner none, and RLlib fails with an
+    IndexError mid-run. Refused here, with the sizes, before Ray starts."""
+    learners = config.scale.learners
+    if config.algorithm not in ASYNCHRONOUS_ALGORITHMS or learners < 2 or config.scale.aggregators_per_learner:
+        return
+    try:
+        algo = (config_class(config.algorithm)().training(**_training_kwargs(config)).learners(num_learners=learners)
+                .env_runners(num_envs_per_env_runner=config.scale.envs_per_runner,
+                             rollout_fragment_length=config.scale.rollout_fragment_length))
+        total, sample = int(algo.total_train_batch_size), config.scale.envs_per_runner * int(algo.get_rollout_fragment_length())
+    except Exception:  # RLlib's own refusal is reported by the full build
+        return
+    if -(-total // sample) < learners:
+        raise UserError(
+            f"{config.algorithm} with {learners} learners and no aggregators gives each learner whole runner samples of "
+            f"{sample:,} env steps ({config.scale.envs_per_runner} envs x {sample // config.scale.envs_per_runner} steps): "
+            f"a train batch of {total:,} takes {-(-total // sample)} sample(s); raise training.train_batch_size_per_learner to at "
+            f"least {sample:,}, shorten scale.rollout_fragment_length, or set scale.aggregators_per_learner")
+
+
+def _check_learner_bundles(config: ExperimentConfig) -> None:
+    """RLlib asks for one bundle per learner, of the learner's CPUs plus 1 per aggregator, and Ray places learners, then
+    aggregators, in any bundle with room. Where a bundle has room for two CPU learners (cpus_per_learner <= aggregators
+    per learner) and a learner's share is fractional, two learners in one bundle leave fractions that no aggregator
+    (1 CPU) fits: the run hangs in its start-up (seen with 2 learners of 0.25 CPU and 1 aggregator each)."""
+    scale, hardware = config.scale, config.hardware
+    cpus = hardware.cpus_per_learner
+    if (scale.learners >= 2 and scale.aggregators_per_learner and not hardware.gpus_per_learner
+            and cpus <= scale.aggregators_per_learner and not float(cpus).is_integer()):
+        raise UserError(
+            f"hardware.cpus_per_learner = {cpus:g} with {scale.learners} CPU learners and "
+            f"{scale.aggregators_per_learner} aggregator(s) per learner: a learner's bundle ({cpus:g} + "
+            f"{scale.aggregators_per_learner} CPUs) has room for two learners, and the fractions they leave fit no "
+            f"aggregator (RLlib places neither by bundle, the run would hang); give each learner a whole number of CPUs "
+            f"or more than {scale.aggregators_per_learner}")
 
 
 def is_multi_agent_env(env: str) -> bool:

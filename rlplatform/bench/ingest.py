@@ -145,10 +145,10 @@ def _points(args: argparse.Namespace) -> list[Point]:
 
 
 def point_overrides(args: argparse.Namespace, point: Point) -> list[str]:
-    """One sample of every env per train batch, one epoch over it in one minibatch: the pipeline's cost, not SGD's."""
+    """One sample of every env per learner's batch (RLlib hands each learner whole samples), one epoch over it in one
+    minibatch: the pipeline's cost, not SGD's."""
     batch = args.runners * args.envs_per_runner * point.fragment
-    learners = max(1, point.learners)
-    training = f"{{train_batch_size_per_learner: {max(1, batch // learners)}, minibatch_size: {max(1, batch // learners)}, num_epochs: 1}}"
+    training = f"{{train_batch_size_per_learner: {batch}, minibatch_size: {batch}, num_epochs: 1}}"
     return [
         f"algorithm={point.algorithm}", f"env={INGEST_ENV}",
         f"env_config={{episode_len: {point.episode_len}, obs_size: {args.obs_size}}}", f"training={training}",
@@ -221,6 +221,20 @@ def _steps_at(metrics: list[dict[str, Any]], t: float, key: str = "env_steps") -
     raise ValueError(f"{t:.1f} s is outside the iterations ({points[0][0]:.1f}-{points[-1][0]:.1f} s)")
 
 
+def _gradient_cpu(metrics: list[dict[str, Any]], start: float, end: float) -> Optional[float]:
+    """The learners' CPU seconds in gradient steps between two times (the lean learners log a running total; an
+    iteration without a learner result carries the last one); None where it is not logged over the whole window."""
+    rows, last = [], None
+    for m in metrics:
+        last = m.get(GRADIENT_KEY, last)
+        if last is not None:
+            rows.append({"wall_time_s": m["wall_time_s"], GRADIENT_KEY: last})
+    try:
+        return _steps_at(rows, end, GRADIENT_KEY) - _steps_at(rows, start, GRADIENT_KEY) if len(rows) >= 2 else None
+    except ValueError:  # the window starts before the first logged total
+        return None
+
+
 def role_costs(samples: list[dict[str, Any]], metrics: list[dict[str, Any]],
                steps_per_fragment: int) -> Optional[dict[str, Any]]:
     """Each role's CPU over the window from the first iteration's end (start-up and warm-up before it) to the last's:
@@ -248,9 +262,7 @@ def role_costs(samples: list[dict[str, Any]], metrics: list[dict[str, Any]],
         processes[role] = processes.get(role, 0) + 1
     total = sum(cpu.values())
     machine = (last["machine_busy_s"] - first["machine_busy_s"]) if "machine_busy_s" in first else None
-    gradient = None
-    if all(GRADIENT_KEY in m for m in flowing):  # the lean learners log their gradient steps' CPU
-        gradient = _steps_at(flowing, last["t"], GRADIENT_KEY) - _steps_at(flowing, first["t"], GRADIENT_KEY)
+    gradient = _gradient_cpu(flowing, first["t"], last["t"])
     return {
         "window_s": seconds, "env_steps": steps, "env_steps_per_s": steps / seconds,
         "gradient_us_per_step": None if gradient is None else 1e6 * gradient / steps,
