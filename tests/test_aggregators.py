@@ -147,6 +147,16 @@ def test_profile_auto_leaves_the_aggregators_cpus_out_of_the_env_runners(learner
     assert cpus(sized.bundles) <= 8  # and the pre-flight check passed
 
 
+def test_profile_auto_gives_each_remote_learner_an_aggregator_where_cpus_allow():
+    remote = [*APPO, "scale.learners=1"]
+    sized = plan_for(remote, SIXTEEN_CORES, profile="auto").config.scale
+    assert sized.aggregators_per_learner == 1 and sized.env_runners == 16 - 1 - 1 - 1  # main, learner, aggregator
+    assert plan_for(remote, TWO_CORES, profile="auto").config.scale.aggregators_per_learner == 0  # no core to spare
+    assert plan_for([*APPO, "scale.learners=0"], SIXTEEN_CORES, profile="auto").config.scale.aggregators_per_learner == 0
+    assert plan_for([*remote, "scale.aggregators_per_learner=0"], SIXTEEN_CORES, profile="auto").config.scale.aggregators_per_learner == 0
+    assert plan_for(["scale.learners=1"], SIXTEEN_CORES, profile="auto").config.scale.aggregators_per_learner == 0  # PPO
+
+
 def test_a_given_env_runner_count_is_not_resized_for_the_aggregators():
     with pytest.raises(UserError, match="the run needs 10 CPUs"):
         plan_for([*APPO, "scale.env_runners=7", "scale.aggregators_per_learner=2"], profile="auto")

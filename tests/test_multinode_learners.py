@@ -10,7 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from multinode import ROOT, RayNode, read_metrics, wait_for_nodes
+from multinode import ROOT, read_metrics, wait_for_nodes
+
+from rlplatform.infra.loopback import LoopbackCluster
 
 TARGET = 150.0  # a 100-episode mean a random policy (about 22) never reaches
 
@@ -20,22 +22,16 @@ def cluster():
     # Logical CPUs. Bundles: the algorithm's actor 1, the env runner 1, each learner 2 + 1 for its aggregator. Ray puts
     # each learner in any bundle of the group with room (RLlib names none); at 2 CPUs only a learner bundle has room
     # for one, and only one: two learner bundles of 3 cannot share a node of 4, so the learners run on two nodes.
-    head = RayNode("127.0.0.6", num_cpus=4)
-    nodes = [head]
-    try:
-        nodes.append(RayNode("127.0.0.7", num_cpus=4, address=head.address))
-        wait_for_nodes(head.address, head.env, 2)
-        yield nodes
-    finally:
-        for node in reversed(nodes):
-            node.stop()
+    with LoopbackCluster(workers=1, cpus=4, first_ip=6) as nodes:
+        wait_for_nodes(nodes.address, nodes.head.env, 2)
+        yield nodes.head
 
 
 @pytest.mark.slow
 @pytest.mark.cluster
 @pytest.mark.learning
 def test_two_learners_with_aggregators_on_two_nodes_learn_cartpole_and_hold_the_same_weights(cluster, tmp_path: Path) -> None:
-    head = cluster[0]
+    head = cluster
     runs = tmp_path / "runs"
     result = subprocess.run(
         [sys.executable, "-m", "rlplatform", "train", "experiments/cartpole_appo.yaml", "--address", head.address,

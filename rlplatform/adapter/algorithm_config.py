@@ -207,7 +207,7 @@ def _check_samples_per_learner(config: ExperimentConfig) -> None:
         total, sample = int(algo.total_train_batch_size), config.scale.envs_per_runner * int(algo.get_rollout_fragment_length())
     except Exception:  # RLlib's own refusal is reported by the full build
         return
-    if -(-total // sample) < learners:
+    if total > 0 and sample > 0 and -(-total // sample) < learners:  # (a batch of 0: RLlib's own check refuses it)
         raise UserError(
             f"{config.algorithm} with {learners} learners and no aggregators gives each learner whole runner samples of "
             f"{sample:,} env steps ({config.scale.envs_per_runner} envs x {sample // config.scale.envs_per_runner} steps): "

@@ -7,7 +7,13 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field
 
-from rlplatform.config.schema import ASYNCHRONOUS_ALGORITHMS, ExperimentConfig, HardwareSection, ScaleSection
+from rlplatform.config.schema import (
+    AGGREGATOR_ALGORITHMS,
+    ASYNCHRONOUS_ALGORITHMS,
+    ExperimentConfig,
+    HardwareSection,
+    ScaleSection,
+)
 from rlplatform.errors import UserError
 
 
@@ -27,7 +33,8 @@ def size_to_cluster(config: ExperimentConfig, resources: Resources, explicit_key
     """`--profile auto`: a GPU learner when there is a GPU, one learner per GPU when there are
     several, env runners over the CPUs left (none, sampling in the main process, where only one
     would fit and the algorithm is synchronous) after the main process, the learners and any
-    aggregator actors. Keys given with --set are left as they are."""
+    aggregator actors; one aggregator per remote APPO/IMPALA learner where the CPUs allow. Keys given with
+    --set are left as they are."""
     scale = config.scale.model_copy()
     hardware = config.hardware.model_copy()
 
@@ -43,6 +50,11 @@ def size_to_cluster(config: ExperimentConfig, resources: Resources, explicit_key
         choose(scale, "learners", 0)
         choose(hardware, "gpus_per_learner", 1)
     learner_cpus = learner_cpu_demand(scale.learners, hardware.cpus_per_learner, hardware.gpus_per_learner, hardware.driver_cpus)
+    if (config.algorithm in AGGREGATOR_ALGORITHMS and scale.learners >= 1 and not scale.aggregators_per_learner
+            and resources.cpus - learner_cpus >= SPARE_CPUS_PER_AGGREGATOR * scale.learners):
+        # docs/scale.md, cost model v2: an aggregator (1.6 us per env step) takes the learner connector off a remote
+        # learner; worth its core where the runners keep the other cores.
+        choose(scale, "aggregators_per_learner", 1)
     free = resources.cpus - learner_cpus - aggregator_cpu_demand(scale.learners, scale.aggregators_per_learner)
     if hardware.cpus_per_env_runner > 0:
         runners = max(0, math.floor(free / hardware.cpus_per_env_runner + 1e-9))
@@ -54,6 +66,11 @@ def size_to_cluster(config: ExperimentConfig, resources: Resources, explicit_key
         choose(scale, "env_runners", runners)
     sized = config.model_copy(update={"scale": scale, "hardware": hardware})
     return ExperimentConfig.model_validate(sized.model_dump())
+
+
+# `--profile auto` gives each remote APPO/IMPALA learner one aggregator where this many CPUs per learner are left
+# after the main process and the learners (the aggregator takes one of them).
+SPARE_CPUS_PER_AGGREGATOR = 4
 
 
 def learner_cpu_demand(learners: int, cpus_per_learner: float, gpus_per_learner: float, driver_cpus: float) -> float:
