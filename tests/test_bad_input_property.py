@@ -309,11 +309,17 @@ FIXED_SETS = [f"seed={value}" for value in ODD_VALUES] + [
     "hardware.cpus_per_env_runner=5e-324", "hardware.driver_cpus=.inf", "scale.env_runners=" + str(10**30),
     "scale.learners=100001", "seed=-1", "seed=4294967296", "=1", "a..b=1", ".=1", "x", "", "name=a/b", "name=..",
     "profile=\"a\\0b.yaml\"", "profile=../../../../etc/passwd.yaml", "env=.x:y", "env=\x00:CartPole-v1",
+    "training.grad_clip_by=",  # hypothesis found it: RLlib's setter raised a ValueError before its checks ran
+    "scale.algorithm_in=elsewhere", "scale.learners=2", "scale.aggregators_per_learner=1",
 ]
+# Found by hypothesis on the APPO preset (remote runners: the numpy policy's env check sorted mixed-type keys).
+FIXED_APPO_SETS = ["env_config.N={N: null, 0: null}", "env_config={1: a, b: 2}"]
 
 
 def test_fixed_nasty_set_values(tmp_path):
     each_one(lambda option: check_cli(DEFAULT, [f"--set={option}"], tmp_path / "runs"), FIXED_SETS)
+    appo = ROOT / "experiments" / "cartpole_appo.yaml"
+    each_one(lambda option: check_cli(appo, [f"--set={option}"], tmp_path / "runs"), FIXED_APPO_SETS)
 
 
 # Found by this test (tracebacks in rlplatform/adapter and config/layouts.py): hypothesis tries them first, every run.

@@ -339,13 +339,16 @@ def build_algorithm_config(config: ExperimentConfig,
             placement_strategy=_PLACEMENT[scale.placement],
             custom_resources_for_main_process=dict(main_process_resources or {}),
         )
-        .training(**_training_kwargs(config))
         .rl_module(model_config=model_config(config))
         .callbacks(on_episode_end=episode_recorder(speedups))
         .debugging(seed=config.seed, log_level="ERROR")
         # A crashed runner is restarted at once instead of after RLlib's default 60 s pause.
         .fault_tolerance(restart_failed_env_runners=True, delay_between_env_runner_restarts_s=1.0)
     )
+    try:  # RLlib's setter checks some values itself (training.grad_clip_by=null raises a ValueError)
+        algo_config.training(**_training_kwargs(config))
+    except Exception as exc:
+        raise UserError(f"RLlib rejected the configuration: {_first_line(exc)}") from None
     if config.multi_agent is not None:
         _multi_agent(algo_config, config)
     if config.evaluation.interval:

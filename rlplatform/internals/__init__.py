@@ -120,7 +120,11 @@ def numpy_policy_applies(config: Any) -> bool:
         return False
     import json
 
-    return _spaces_fit(config.env, json.dumps(dict(config.env_config), sort_keys=True, default=repr))
+    try:
+        env_config_json = json.dumps(dict(config.env_config), sort_keys=True, default=repr)
+    except (TypeError, ValueError):  # keys of mixed types cannot be sorted: the runners keep torch's policy
+        return False
+    return _spaces_fit(config.env, env_config_json)
 
 
 @functools.lru_cache(maxsize=64)
