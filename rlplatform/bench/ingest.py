@@ -31,7 +31,7 @@ from rlplatform.bench.processes import (
     LoopbackCluster,
     add_node_arguments,
     check_nodes,
-    loopback_cluster,
+    node_cluster,
     read_cpu,
     run_processes,
     sample_processes,
@@ -105,10 +105,7 @@ def run(args: argparse.Namespace) -> int:
         check(resolve_experiment(args.experiment, [*args.overrides, *point_overrides(args, point)], args.profile).config)
     root = bench_dir(args.output, "ingest", base.name)
     rows = []
-    with loopback_cluster(args.nodes, args.node_cpus) as cluster:
-        if cluster is not None:
-            args.address = cluster.address
-            console.say(f"ingest: a cluster of {args.nodes} loopback nodes at {cluster.address}, {args.node_cpus:g} CPUs each")
+    with node_cluster(args, "ingest") as cluster:
         for point in points:
             console.say(f"ingest: {point} ...")
             row = measure_point(args, point, root / point.key, cluster)

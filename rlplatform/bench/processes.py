@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
+from rlplatform import console
 from rlplatform.errors import TrainingFailed, UserError
 from rlplatform.infra.loopback import LoopbackCluster
 
@@ -62,6 +63,17 @@ def loopback_cluster(nodes: int, cpus: float) -> Iterator[Optional[LoopbackClust
         lines = str(exc).strip().splitlines() or [""]
         raise TrainingFailed(f"the loopback cluster did not start: {' '.join(dict.fromkeys([lines[0], lines[-1]]))}") from None
     with cluster:
+        yield cluster
+
+
+@contextlib.contextmanager
+def node_cluster(args: Any, verb: str) -> Iterator[Optional[LoopbackCluster]]:
+    """`--nodes N --node-cpus C` of a benchmark: its loopback cluster (None for 0), whose address the benchmark's
+    `train` runs join (`args.address`), said once."""
+    with loopback_cluster(args.nodes, args.node_cpus) as cluster:
+        if cluster is not None:
+            args.address = cluster.address
+            console.say(f"{verb}: a cluster of {args.nodes} loopback nodes at {cluster.address}, {args.node_cpus:g} CPUs each")
         yield cluster
 
 

@@ -31,7 +31,7 @@ from rlplatform import console
 from rlplatform.bench.processes import (
     add_node_arguments,
     check_nodes,
-    loopback_cluster,
+    node_cluster,
     read_cpu,
     run_processes,
     sample_processes,
@@ -109,10 +109,7 @@ def run(args: argparse.Namespace) -> int:
                                  args.profile).config)
     root = bench_dir(args.output, "scale", base.name)
     rows: list[dict[str, Any]] = []
-    with loopback_cluster(args.nodes, args.node_cpus) as cluster:
-        if cluster is not None:
-            args.address = cluster.address
-            console.say(f"scale: a cluster of {args.nodes} loopback nodes at {cluster.address}, {args.node_cpus:g} CPUs each")
+    with node_cluster(args, "scale") as cluster:
         for point in points:
             console.say(f"scale: {point}, {runner_cpus:g} CPU each, {args.wait_ms:g} ms per env step ...")
             row = measure_point(args, base, point, runner_cpus, root / f"{point.model}-f{point.fragment}-r{point.runners}", cluster)
