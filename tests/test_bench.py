@@ -153,25 +153,55 @@ def test_a_bad_experiment_for_bench_is_refused_before_ray_starts(tmp_path):
     refused_side_by_side([
         (["solve", "--set", "stop.return_mean=null", "-o", tmp_path], ["stop.return_mean"]),
         (["solve", "--set", "training.lrr=1", "-o", tmp_path], ["training.lrr"]),
-        (["learner", DEFAULT, "-o", tmp_path], ["cartpole-ppo is PPO"]),
+        (["learner", ROOT / "experiments" / "cartpole_appo.yaml", "-o", tmp_path], ["cartpole-appo is APPO"]),
+        (["learner", ROOT / "experiments" / "cartpole_dqn.yaml", "--ways", "sb3", "--sb3-python", tmp_path / "none",
+          "-o", tmp_path], ["--sb3-python", "cannot run it"]),
     ], tmp_path)
 
 
-@pytest.mark.slow  # three RLlib learners built and timed in a `bench learner` process, twice
-@pytest.mark.parametrize("experiment", ["cartpole_dqn", "pendulum_sac"])
+@pytest.mark.slow  # RLlib learners built and timed in a `bench learner` process, three times
+@pytest.mark.parametrize("experiment", ["cartpole_dqn", "pendulum_sac", "cartpole_ppo"])
 def test_learner_bench_times_the_lean_rllib_and_plain_torch_updates(tmp_path, experiment):
     result = run_cli("bench", "learner", ROOT / "experiments" / f"{experiment}.yaml", "--seconds", "0.6", "--rounds", "1",
-                     "--warmup", "2", "--set", "model.hidden=[32,32]", "--set", "model.fusion_hidden=[32]",
-                     "-o", tmp_path, timeout=300)
+                     "--warmup", "2", "--set", "model.hidden=[32,32]", "-o", tmp_path, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     (path,) = tmp_path.glob("learner-*/learner.json")
     data = json.loads(path.read_text())
     rows = {r["way"]: r for r in data["results"]}
-    assert set(rows) == {"lean", "rllib", "torch"} and data["torch_threads"] == 1
+    ppo = experiment == "cartpole_ppo"
+    assert set(rows) == ({"lean", "rllib"} if ppo else {"lean", "rllib", "torch"}) and data["torch_threads"] == 1
     for r in rows.values():
         assert r["updates"] > 0 and r["ms_per_update"] == pytest.approx(1000 * r["seconds"] / r["updates"], rel=1e-3)
-        assert r["of_plain_torch"] == pytest.approx(r["updates_per_s"] / rows["torch"]["updates_per_s"])
-    assert data["updates_per_learner_call"] == updates_per_training_step(experiment, "model.hidden=[32,32]")
+        if not ppo:
+            assert r["of_plain_torch"] == pytest.approx(r["updates_per_s"] / rows["torch"]["updates_per_s"])
+    if ppo:
+        assert data["updates_per_learner_call"] == 1 and data["update"].startswith("20 epoch(s) over a batch of 1000")
+    else:
+        assert data["updates_per_learner_call"] == updates_per_training_step(experiment, "model.hidden=[32,32]")
+
+
+def sb3_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("stable_baselines3") is not None
+
+
+@pytest.mark.slow  # a `bench learner` process and SB3's own beside it, three times
+@pytest.mark.skipif(not sb3_installed(), reason="stable-baselines3 is not installed here (pip install -e '.[bench]')")
+@pytest.mark.parametrize("experiment", ["cartpole_dqn", "halfcheetah_sac", "cartpole_ppo"])
+def test_learner_bench_times_sb3s_own_update_beside_ours(tmp_path, experiment):
+    result = run_cli("bench", "learner", ROOT / "experiments" / f"{experiment}.yaml", "--seconds", "1", "--rounds", "2",
+                     "--warmup", "2", "--ways", "lean", "sb3", "--set", "model.hidden=[32,32]", "-o", tmp_path,
+                     timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    (path,) = tmp_path.glob("learner-*/learner.json")
+    data = json.loads(path.read_text())
+    rows = {r["way"]: r for r in data["results"]}
+    assert set(rows) == {"lean", "sb3"} and rows["sb3"]["updates"] > 0 and rows["sb3"]["of_sb3"] == 1
+    assert rows["lean"]["of_sb3"] == pytest.approx(rows["lean"]["updates_per_s"] / rows["sb3"]["updates_per_s"])
+    # SB3 built the experiment's widths: its policy's description names 32-unit layers and no 64- or 256-unit one.
+    assert data["sb3"]["sb3"] and "out_features=32" in data["sb3"]["policy"]
+    assert "out_features=256" not in data["sb3"]["policy"] and "out_features=64" not in data["sb3"]["policy"]
 
 
 def updates_per_training_step(experiment: str, *overrides: str) -> int:

@@ -262,7 +262,9 @@ def _multi_agent(algo_config, config: ExperimentConfig) -> None:
         policy_mapping_fn=PolicyMapping(ma.mapping),
         policies_to_train=list(ma.train) if ma.train is not None else None,
     )
-    specs = {name: RLModuleSpec(model_config=model_config(config, policy.model)) for name, policy in ma.policies.items()}
+    specs = {name: RLModuleSpec(model_config=model_config(config, policy.model),
+                                catalog_class=_q_catalog(config.algorithm, policy.model or config.model))
+             for name, policy in ma.policies.items()}
     algo_config.rl_module(rl_module_spec=MultiRLModuleSpec(rl_module_specs=specs))
 
 
@@ -277,6 +279,22 @@ def record_episode(*, episode: Any, metrics_logger: Any, prev_episode_chunks: Se
     returns = (chunk_return(c) if chunk_return else c.get_return() for c in chunks)
     metrics_logger.log_value(EPISODE_RETURNS, float(sum(returns)), reduce="item_series")
     metrics_logger.log_value(EPISODE_LENGTHS, int(sum(len(c) for c in chunks)), reduce="item_series")
+
+
+def _q_catalog(algorithm: str, model: ModelSection) -> Optional[type]:
+    """SAC's catalog with Q networks on [s, a] (`model.q_network: joint`); None: RLlib's default catalog."""
+    if algorithm != "SAC" or model.q_network != "joint":
+        return None
+    from rlplatform.adapter.sac_q_network import JointQSACCatalog
+
+    return JointQSACCatalog
+
+
+def _module_catalog(config: ExperimentConfig) -> dict[str, Any]:
+    from ray.rllib.core.rl_module.rl_module import RLModuleSpec
+
+    catalog = _q_catalog(config.algorithm, config.model)
+    return {"rl_module_spec": RLModuleSpec(catalog_class=catalog)} if catalog and config.multi_agent is None else {}
 
 
 def model_config(config: ExperimentConfig, model: Optional[ModelSection] = None) -> DefaultModelConfig:
@@ -339,7 +357,7 @@ def build_algorithm_config(config: ExperimentConfig,
             placement_strategy=_PLACEMENT[scale.placement],
             custom_resources_for_main_process=dict(main_process_resources or {}),
         )
-        .rl_module(model_config=model_config(config))
+        .rl_module(model_config=model_config(config), **_module_catalog(config))
         .callbacks(on_episode_end=episode_recorder(speedups))
         .debugging(seed=config.seed, log_level="ERROR")
         # A crashed runner is restarted at once instead of after RLlib's default 60 s pause.

@@ -1,16 +1,20 @@
-"""`rlplatform bench learner EXPERIMENT`: SGD updates per second of a DQN or SAC learner alone.
+"""`rlplatform bench learner EXPERIMENT`: updates per second of a DQN, SAC or PPO learner alone.
 
-Three ways of doing the experiment's update, one after the other in this process, on batches of the
-experiment's shapes drawn from a buffer filled with the env's transitions (random actions), after
-a warm-up; each figure includes drawing its batch:
+Ways of doing the experiment's update, taking turns, after a warm-up. DQN and SAC update on batches of
+the experiment's shapes drawn from a buffer filled with the env's transitions (random actions), each
+figure including the draw of its batch; PPO updates on one batch of the experiment's size sampled by
+its initial policy (an update: the experiment's epochs of minibatches over it):
 
-- `lean`: the learner a run uses (`speedups: true`): the flat buffer, k updates per learner call.
-- `rllib`: RLlib's learner as RLlib's training step drives it (`speedups: false`): one-step episodes
-  sampled from its `EpisodeReplayBuffer`, one `update(episodes=...)` per update.
-- `torch`: the same update written in plain torch, CleanRL-style: the same networks (copies of the
-  experiment's RLModule's), losses and Adam, no RLlib learner, connector or metrics.
+- `lean`: the learner a run uses (`speedups: true`): for DQN and SAC the flat buffer, k updates per
+  learner call.
+- `rllib`: RLlib's learner as RLlib's training step drives it (`speedups: false`); for DQN and SAC
+  one-step episodes sampled from its `EpisodeReplayBuffer`, one `update(episodes=...)` per update.
+- `torch` (DQN, SAC): the same update written in plain torch, CleanRL-style: the same networks (copies
+  of the experiment's RLModule's), losses and Adam, no RLlib learner, connector or metrics.
+- `sb3`: Stable-Baselines3's own `train()` with the experiment's batch, widths, activation, learning
+  rate and epochs, in its own process (`sb3_updates.py`) run by `--sb3-python` (default: this Python,
+  which has it with the `bench` extra): the library a user would otherwise pick.
 
-The ratio lean / torch is how close the learner is to the limit of its arithmetic on this machine.
 Results: `<output>/learner-<name>-<time>/learner.json`.
 """
 
@@ -18,22 +22,29 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
+import subprocess
+import sys
 import time
-from typing import Any, Callable
+from pathlib import Path
+from typing import Any, Callable, Optional
 
 from rlplatform import console
 from rlplatform.bench.training_runs import bench_dir, check_experiment, write_json
 from rlplatform.errors import UserError
 
-ALGORITHMS = ("DQN", "SAC")
+ALGORITHMS = ("DQN", "SAC", "PPO")
+WAYS = ("lean", "rllib", "torch", "sb3")
+PPO_WARMUP = 2  # PPO's warm-up in whole batch updates, each many gradient steps
+SB3_SCRIPT = Path(__file__).with_name("sb3_updates.py")
+# A way's run: measure for this many seconds -> (updates, seconds measured).
+Run = Callable[[float], tuple[int, float]]
 
 
 def add_verb(verbs: Any) -> None:  # argparse's sub-parsers action
-    from pathlib import Path
-
-    q = verbs.add_parser("learner", help="DQN/SAC learner updates per second: lean, RLlib's and plain torch")
+    q = verbs.add_parser("learner", help="DQN/SAC/PPO learner updates per second: lean, RLlib's, plain torch, SB3's")
     q.add_argument("experiment", nargs="?", type=Path, default=Path("experiments/pendulum_sac.yaml"),
-                   help="a DQN or SAC experiment (default: experiments/pendulum_sac.yaml)")
+                   help="a DQN, SAC or PPO experiment (default: experiments/pendulum_sac.yaml)")
     q.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="as for train")
     q.add_argument("--profile", default="laptop", help="as for train (default: laptop)")
     q.add_argument("--seconds", type=float, default=15.0, help="measured time per way, after warm-up (default: 15)")
@@ -43,7 +54,10 @@ def add_verb(verbs: Any) -> None:  # argparse's sub-parsers action
                         "on all of them (default: 5)")
     q.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: the experiment's hardware.driver_cpus, as a run's learner uses)")
-    q.add_argument("--ways", nargs="+", default=["lean", "rllib", "torch"], choices=["lean", "rllib", "torch"])
+    q.add_argument("--ways", nargs="+", default=["lean", "rllib", "torch"], choices=WAYS,
+                   help="default: lean rllib torch (DQN, SAC); lean rllib (PPO)")
+    q.add_argument("--sb3-python", type=Path, default=None,
+                   help="the Python that runs the sb3 way, with stable-baselines3 installed (default: this one)")
     q.add_argument("-o", "--output", type=Path, default=Path("bench"), help="directory for the results (default: bench)")
     q.set_defaults(func=run)
 
@@ -55,70 +69,126 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--seconds must be > 0, --warmup >= 0 and --rounds >= 1")
     config = check_experiment(args)
     if config.algorithm not in ALGORITHMS or config.multi_agent is not None:
-        raise UserError(f"bench learner measures single-agent {' and '.join(ALGORITHMS)} learners; "
+        raise UserError(f"bench learner measures single-agent {', '.join(ALGORITHMS)} learners; "
                         f"{config.name} is {config.algorithm}{' (multi-agent)' if config.multi_agent else ''}")
+    ways = [w for w in dict.fromkeys(args.ways) if not (config.algorithm == "PPO" and w == "torch"
+                                                       and args.ways == ["lean", "rllib", "torch"])]
+    if config.algorithm == "PPO" and "torch" in ways:
+        raise UserError("--ways torch: the plain torch update covers DQN and SAC, not PPO")
+    sb3_python = args.sb3_python or Path(sys.executable)
+    if "sb3" in ways:
+        check_sb3(sb3_python)
     if config.hardware.gpus_per_learner:
         device = "cuda"
         if not torch.cuda.is_available():
             raise UserError("hardware.gpus_per_learner > 0 but torch sees no GPU here")
+        if "sb3" in ways:
+            raise UserError("--ways sb3 runs SB3 on the CPU; leave hardware.gpus_per_learner at 0 to compare")
     else:
         device = "cpu"
     threads = args.threads or max(1, int(config.hardware.driver_cpus))
     torch.set_num_threads(threads)
-    bench = LearnerBench(config, device)
-    rows = bench.measure(args.ways, args.warmup, args.seconds, args.rounds)
+    bench = LearnerBench(config, device, threads, sb3_python)
+    try:
+        rows = bench.measure(ways, args.warmup, args.seconds, args.rounds)
+    finally:
+        bench.close()
     for r in rows:
         console.say(f"{r['way']}: {r['updates_per_s']:.1f} updates/s ({r['ms_per_update']:.2f} ms each)")
-    limit = next((r["updates_per_s"] for r in rows if r["way"] == "torch"), None)
-    for r in rows:
-        r["of_plain_torch"] = r["updates_per_s"] / limit if limit else None
+    for name in ("torch", "sb3"):
+        limit = next((r["updates_per_s"] for r in rows if r["way"] == name), None)
+        for r in rows:
+            r[f"of_{'plain_torch' if name == 'torch' else name}"] = r["updates_per_s"] / limit if limit else None
     result = {"experiment": config.name, "algorithm": config.algorithm, "env": config.env, "device": device,
               "torch_threads": threads, "batch_size": bench.batch_size, "updates_per_learner_call": bench.k,
-              "hidden": list(config.model.hidden), "overrides": args.overrides, "results": rows}
+              "update": bench.unit, "hidden": list(config.model.hidden), "overrides": args.overrides,
+              "sb3": bench.sb3_facts, "results": rows}
     path = write_json(bench_dir(args.output, "learner", config.name) / "learner.json", result)
     _print_table(result)
     console.say(f"written: {path}")
     return 0
 
 
-class LearnerBench:
-    """The experiment's learners and a filled buffer; `measure(way)` times one way of updating."""
+def check_sb3(python: Path) -> None:
+    """One error line where the given Python cannot import stable_baselines3."""
+    try:
+        done = subprocess.run([str(python), "-c", "import stable_baselines3"], capture_output=True, timeout=120)
+    except OSError as exc:
+        raise UserError(f"--sb3-python {python}: cannot run it ({exc.strerror})") from None
+    if done.returncode != 0:
+        raise UserError(f"--ways sb3: stable-baselines3 is not importable by {python} "
+                        "(pip install -e \".[bench]\", or point --sb3-python at a Python that has it)")
 
-    def __init__(self, config: Any, device: str) -> None:
+
+class LearnerBench:
+    """The experiment's learners and their data; `measure(ways)` times the ways of updating in turns."""
+
+    def __init__(self, config: Any, device: str, threads: int = 1, sb3_python: Optional[Path] = None) -> None:
         import gymnasium as gym
-        from ray.rllib.algorithms.dqn.dqn import calculate_rr_weights
 
         from rlplatform.adapter.algorithm_config import build_algorithm_config
         from rlplatform.config.env_ids import runner_env_id
 
         self.config = config
         self.device = device
+        self.threads = threads
+        self.sb3_python = sb3_python or Path(sys.executable)
+        self.sb3_facts: Optional[dict[str, Any]] = None
+        self._closers: list[Callable[[], None]] = []
         self.lean_config = build_algorithm_config(config.model_copy(update={"speedups": True}))
         self.rllib_config = build_algorithm_config(config.model_copy(update={"speedups": False}))
         self.batch_size = self.lean_config.train_batch_size_per_learner
-        self.k = max(1, calculate_rr_weights(self.lean_config)[1])
         self.env = gym.make(runner_env_id(config.env), **dict(config.env_config))
-        self.episodes = _random_episodes(self.env, steps=max(5_000, 4 * self.batch_size))
+        if config.algorithm == "PPO":
+            self.k, self.unit = 1, (f"{self.lean_config.num_epochs} epoch(s) over a batch of {self.batch_size} "
+                                    f"in minibatches of {self.lean_config.minibatch_size}")
+            self.episodes = _policy_episodes(self.rllib_config, self.batch_size)
+        else:
+            from ray.rllib.algorithms.dqn.dqn import calculate_rr_weights
+
+            self.k, self.unit = max(1, calculate_rr_weights(self.lean_config)[1]), "one gradient step on a batch"
+            self.episodes = _random_episodes(self.env, steps=self.buffer_steps)
+
+    @property
+    def buffer_steps(self) -> int:
+        return max(5_000, 4 * self.batch_size)
 
     def measure(self, ways: list[str], warmup: int, seconds: float, rounds: int) -> list[dict[str, Any]]:
         """Each way warmed up, then the ways in turn, `rounds` times, `seconds / rounds` each."""
-        steps = {way: getattr(self, f"_{way}_step")() for way in ways}
-        for way, (step, per_call) in steps.items():
+        runs: dict[str, Run] = {}
+        for way in ways:
             console.say(f"{way}: warming up ...")
-            for _ in range(max(1, warmup // per_call)):
-                step()
+            runs[way] = getattr(self, f"_{way}_run")(warmup)
         updates, elapsed = dict.fromkeys(ways, 0), dict.fromkeys(ways, 0.0)
         for _ in range(rounds):
-            for way, (step, per_call) in steps.items():
-                started = time.perf_counter()
-                while time.perf_counter() - started < seconds / rounds:
-                    step()
-                    updates[way] += per_call
-                self._sync()
-                elapsed[way] += time.perf_counter() - started
+            for way, measure_for in runs.items():
+                n, s = measure_for(seconds / rounds)
+                updates[way] += n
+                elapsed[way] += s
         return [{"way": way, "updates": updates[way], "seconds": round(elapsed[way], 3),
                  "updates_per_s": updates[way] / elapsed[way], "ms_per_update": 1000 * elapsed[way] / updates[way]}
                 for way in ways]
+
+    def close(self) -> None:
+        for close in self._closers:
+            close()
+
+    def _local(self, step: Callable[[], Optional[float]], per_call: int, warmup: int) -> Run:
+        """A way run in this process: `step()` does `per_call` updates and returns the seconds to count (None: all)."""
+        for _ in range(max(1, warmup // per_call)):
+            step()
+
+        def measure_for(seconds: float) -> tuple[int, float]:
+            updates, counted, started = 0, 0.0, time.perf_counter()
+            while time.perf_counter() - started < seconds:
+                t0 = time.perf_counter()
+                timed = step()
+                counted += timed if timed is not None else time.perf_counter() - t0
+                updates += per_call
+            self._sync()
+            return updates, counted
+
+        return measure_for
 
     def _sync(self) -> None:
         if self.device == "cuda":
@@ -141,9 +211,27 @@ class LearnerBench:
             num_gpus_per_learner=1 if self.device == "cuda" else 0).build_learner(env=self.env)
         return learner
 
-    def _lean_step(self) -> tuple[Callable[[], None], int]:
+    def _ppo_step(self, algo_config) -> Callable[[], float]:
+        """One PPO learner update over a fresh copy of the batch's episodes (the copy not counted: the learner
+        connector adds a step to each episode)."""
+        learner = self._learner(algo_config)
+        kwargs = dict(num_epochs=algo_config.num_epochs, minibatch_size=algo_config.minibatch_size,
+                      shuffle_batch_per_epoch=algo_config.shuffle_batch_per_epoch,
+                      timesteps={"num_env_steps_sampled_lifetime": 10**6})
+
+        def step() -> float:
+            episodes = copy.deepcopy(self.episodes)
+            started = time.perf_counter()
+            learner.update(episodes=episodes, **kwargs)
+            return time.perf_counter() - started
+
+        return step
+
+    def _lean_run(self, warmup: int) -> Run:
         from rlplatform.adapter import speedups
 
+        if self.config.algorithm == "PPO":
+            return self._local(self._ppo_step(self.lean_config), 1, min(warmup, PPO_WARMUP))
         learner, buffer = self._learner(self.lean_config), self._flat_buffer()
         timesteps = {"num_env_steps_sampled_lifetime": 10**6}
 
@@ -152,11 +240,13 @@ class LearnerBench:
             batch = speedups.flat_rows_to_batch(rows, self.k * self.batch_size)
             learner.update(batch=batch, minibatch_size=self.batch_size, timesteps=timesteps)
 
-        return step, self.k
+        return self._local(step, self.k, warmup)
 
-    def _rllib_step(self) -> tuple[Callable[[], None], int]:
+    def _rllib_run(self, warmup: int) -> Run:
         from ray.rllib.utils.replay_buffers.episode_replay_buffer import EpisodeReplayBuffer
 
+        if self.config.algorithm == "PPO":
+            return self._local(self._ppo_step(self.rllib_config), 1, min(warmup, PPO_WARMUP))
         learner, buffer = self._learner(self.rllib_config), EpisodeReplayBuffer(capacity=100_000)
         buffer.add(copy.deepcopy(self.episodes))
         config, timesteps = self.rllib_config, {"num_env_steps_sampled_lifetime": 10**6}
@@ -166,9 +256,9 @@ class LearnerBench:
                                      beta=config.replay_buffer_config.get("beta"), sample_episodes=True)
             learner.update(episodes=episodes, timesteps=timesteps)
 
-        return step, 1
+        return self._local(step, 1, warmup)
 
-    def _torch_step(self) -> tuple[Callable[[], None], int]:
+    def _torch_run(self, warmup: int) -> Run:
         import torch
 
         from rlplatform.bench.plain_torch import PlainDQN, PlainSAC
@@ -184,7 +274,74 @@ class LearnerBench:
                 plain.update({k: torch.as_tensor(v, device=self.device) for k, v in rows.items()})
             plain.update_target()
 
-        return step, self.k
+        return self._local(step, self.k, warmup)
+
+    def _sb3_run(self, warmup: int) -> Run:
+        """SB3's `train()` in a process of `--sb3-python`, told how long to run each turn over a pipe."""
+        proc = subprocess.Popen([str(self.sb3_python), str(SB3_SCRIPT), json.dumps(self.sb3_spec(warmup))],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self._closers.append(lambda: _stop(proc))
+        self.sb3_facts = _reply(proc)["ready"]
+
+        def measure_for(seconds: float) -> tuple[int, float]:
+            assert proc.stdin is not None
+            proc.stdin.write(f"{seconds}\n")
+            proc.stdin.flush()
+            reply = _reply(proc)
+            return int(reply["calls" if self.config.algorithm == "PPO" else "updates"]), float(reply["seconds"])
+
+        return measure_for
+
+    def sb3_spec(self, warmup: int) -> dict[str, Any]:
+        """The experiment's update in SB3's terms (sb3_updates.py)."""
+        c, algo = self.lean_config, self.config.algorithm
+        spec: dict[str, Any] = {"algorithm": algo, "env": self.env.spec.id if self.env.spec else self.config.env,
+                                "env_config": dict(self.config.env_config), "batch_size": self.batch_size,
+                                "hidden": list(self.config.model.hidden), "activation": self.config.model.activation,
+                                "gamma": c.gamma, "threads": self.threads, "warmup": warmup}
+        if algo == "PPO":
+            spec.update(lr=c.lr, envs=max(1, self.config.scale.envs_per_runner) * max(1, self.config.scale.env_runners),
+                        minibatch_size=c.minibatch_size, epochs=c.num_epochs, clip=c.clip_param,
+                        entropy_coeff=c.entropy_coeff, vf_coeff=c.vf_loss_coeff, grad_clip=c.grad_clip or float("inf"),
+                        warmup=min(warmup, PPO_WARMUP))
+            spec["lambda"] = c.lambda_
+        elif algo == "SAC":
+            spec.update(lr=c.actor_lr, tau=c.tau, buffer_steps=self.buffer_steps, updates_per_call=self.k)
+        else:
+            spec.update(lr=c.lr, buffer_steps=self.buffer_steps, updates_per_call=self.k)
+        return spec
+
+
+def _reply(proc: subprocess.Popen) -> dict[str, Any]:
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if not line:
+        code = proc.wait()
+        raise UserError(f"--ways sb3: SB3's process ended (exit code {code}) before it answered; its output is above")
+    return json.loads(line)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.stdin is not None:
+        proc.stdin.close()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def _policy_episodes(algo_config: Any, steps: int) -> list:
+    """`steps` env steps of episodes sampled by the experiment's initial policy with RLlib's env runner, as PPO's
+    training step gets them (module outputs included)."""
+    import torch
+    from ray.rllib.env.single_agent_env_runner import SingleAgentEnvRunner
+
+    torch.manual_seed(0)
+    runner = SingleAgentEnvRunner(config=algo_config.copy(copy_frozen=False).env_runners(num_env_runners=0))
+    try:
+        return runner.sample(num_timesteps=steps, explore=True)
+    finally:
+        runner.stop()
 
 
 def _random_episodes(env, steps: int) -> list:
@@ -209,11 +366,14 @@ def _random_episodes(env, steps: int) -> list:
 def _print_table(result: dict[str, Any]) -> None:
     from rich.table import Table
 
+    rows = result["results"]
     table = Table(title=f"{result['algorithm']} learner, {result['experiment']}: batch {result['batch_size']}, "
-                        f"{result['device']}, {result['torch_threads']} torch thread(s)")
-    for column in ("way", "updates/s", "ms/update", "of plain torch"):
+                        f"{result['device']}, {result['torch_threads']} torch thread(s); an update: {result['update']}")
+    ratios = [(key, label) for key, label in (("of_plain_torch", "of plain torch"), ("of_sb3", "of SB3"))
+              if any(r[key] for r in rows)]
+    for column in ("way", "updates/s", "ms/update", *(label for _, label in ratios)):
         table.add_column(column, justify="right")
-    for r in result["results"]:
+    for r in rows:
         table.add_row(r["way"], f"{r['updates_per_s']:.1f}", f"{r['ms_per_update']:.2f}",
-                      console.fmt(r["of_plain_torch"] and 100 * r["of_plain_torch"], ".0f") + " %")
+                      *(console.fmt(r[key] and 100 * r[key], ".0f") + " %" for key, _ in ratios))
     console.stdout.print(table)

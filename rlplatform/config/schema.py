@@ -39,9 +39,22 @@ class ModelSection(Section):
     lstm_cell_size: int = Field(256, gt=0)
     max_seq_len: int = Field(20, gt=0)
     head_hidden: list[int] = Field(default_factory=list)
-    # SAC's Q networks: the layers after the observation and action encoders (RLlib's fusionnet_hiddens).
+    # SAC's Q networks on a flat observation and a Box action: "joint", one MLP of `hidden` on [s, a] (SB3's and
+    # CleanRL's); "streams", RLlib's own: an MLP of `hidden` for each of s and a, joined by the fusion layers.
+    q_network: Literal["joint", "streams"] = "joint"
+    # "streams" only: the layers after the observation and action encoders (RLlib's fusionnet_hiddens).
     fusion_hidden: list[int] = Field(default_factory=lambda: [256, 256])
     fusion_activation: Literal["tanh", "relu", "swish", "silu", "elu", "linear"] = "tanh"
+
+    @model_validator(mode="after")
+    def _fusion_needs_streams(self) -> "ModelSection":
+        fields = type(self).model_fields
+        given = [k for k in ("fusion_hidden", "fusion_activation")
+                 if getattr(self, k) != fields[k].get_default(call_default_factory=True)]
+        if given and self.q_network == "joint":
+            raise ValueError(f"{given[0]} shapes SAC's two-stream Q network; set q_network: streams "
+                             "to use it (the default, joint, is one MLP of `hidden` on [observation, action])")
+        return self
 
 
 class ScaleSection(Section):
