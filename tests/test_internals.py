@@ -53,8 +53,6 @@ RECEIVER_TYPES = {
         "ray.rllib.utils.minibatch_utils.MiniBatchCyclicIterator",
     ("internals/lean_off_policy.py", "LeanOffPolicyUpdate.after_gradient_based_update", "self.module"):
         "ray.rllib.core.rl_module.multi_rl_module.MultiRLModule",
-    ("internals/lean_off_policy.py", "LeanDQNTorchLearner.lean_loss_and_gradients", "module"):
-        "ray.rllib.algorithms.dqn.torch.default_dqn_torch_rl_module.DefaultDQNTorchRLModule",
     ("internals/lean_off_policy.py", "LeanSACTorchLearner.lean_loss_and_gradients", "module"):
         "ray.rllib.algorithms.sac.torch.default_sac_torch_rl_module.DefaultSACTorchRLModule",
 }

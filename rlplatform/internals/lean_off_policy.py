@@ -43,9 +43,7 @@ from ray.rllib.algorithms.dqn.dqn_learner import (
     QF_MAX_KEY,
     QF_MEAN_KEY,
     QF_MIN_KEY,
-    QF_NEXT_PREDS,
     QF_PREDS,
-    QF_TARGET_NEXT_PREDS,
     TD_ERROR_MEAN_KEY,
 )
 from ray.rllib.algorithms.dqn.torch.dqn_torch_learner import DQNTorchLearner
@@ -369,13 +367,17 @@ class LeanDQNTorchLearner(LeanOffPolicyUpdate, DQNTorchLearner):
         return config.num_atoms == 1 and not module.is_stateful()
 
     def lean_loss_and_gradients(self, module_id: str, module: Any, config: Any, batch: dict):
-        fwd_out = module._forward_train(batch)
-        actions = batch[Columns.ACTIONS]
+        # RLlib's _forward_train runs the online network on [obs, next_obs] with gradients and the target
+        # network with a graph nobody uses: 2B rows through the online network's backward pass. The same
+        # values, with the next observations' passes out of autograd.
+        actions, next_obs = batch[Columns.ACTIONS], {Columns.OBS: batch[Columns.NEXT_OBS]}
         q_selected = torch.nan_to_num(
-            torch.gather(fwd_out[QF_PREDS], dim=-1, index=actions.view(*actions.shape, 1).long()), neginf=0.0,
+            torch.gather(module.compute_q_values({Columns.OBS: batch[Columns.OBS]})[QF_PREDS], dim=-1,
+                         index=actions.view(*actions.shape, 1).long()), neginf=0.0,
         ).squeeze(dim=-1)
-        q_target_next = fwd_out[QF_TARGET_NEXT_PREDS]
-        chooser = fwd_out[QF_NEXT_PREDS] if config.double_q else q_target_next
+        with torch.no_grad():
+            q_target_next = module.forward_target(next_obs)[QF_PREDS]
+            chooser = module.compute_q_values(next_obs)[QF_PREDS] if config.double_q else q_target_next
         q_next_best_idx = torch.argmax(chooser, dim=-1).unsqueeze(dim=-1).long()
         q_next_best = torch.nan_to_num(torch.gather(q_target_next, dim=-1, index=q_next_best_idx), neginf=0.0).squeeze()
         q_next_best_masked = (1.0 - batch[Columns.TERMINATEDS].float()) * q_next_best
