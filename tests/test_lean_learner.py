@@ -98,8 +98,13 @@ def test_building_and_updating_imports_no_torch_compiler():
     assert result.stdout.strip().splitlines()[-1] == "False"
 
 
-def test_same_update_as_rllib(episodes):
-    lean, plain = learner(), learner("speedups=false")
+CLIPS = [(), ("training.grad_clip=0.05", "training.grad_clip_by=norm"),
+         ("training.grad_clip=0.05", "training.grad_clip_by=global_norm")]
+
+
+@pytest.mark.parametrize("clip", CLIPS, ids=["no-clip", "clip-per-tensor", "clip-global"])
+def test_same_update_as_rllib(episodes, clip):
+    lean, plain = learner(*clip), learner("speedups=false", *clip)
     before = weights(plain)
     assert all(torch.equal(before[k], v) for k, v in weights(lean).items())
     for each in (lean, plain):  # the learner connector edits episodes in place: each gets its own

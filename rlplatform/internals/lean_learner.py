@@ -140,6 +140,7 @@ class LeanUpdate:
 
     def __init__(self, *args, **kwargs):
         install_in_process()  # before the learner builds its connector pipeline
+        self._gradient_cpu_s = 0.0
         super().__init__(*args, **kwargs)
 
     def update(self, *args, **kwargs):
@@ -156,7 +157,13 @@ class LeanUpdate:
         try:
             return super()._update(batch)  # type: ignore[misc]  # mixin: on the RLlib class in the MRO
         finally:
-            self.metrics.log_value((ALL_MODULES, GRADIENT_CPU_S), time.thread_time() - started, reduce="lifetime_sum")
+            self._gradient_cpu_s += time.thread_time() - started  # logged once per update: a log_value costs ~25 us
+
+    def after_gradient_based_update(self, *, timesteps: dict) -> None:
+        if self._gradient_cpu_s:
+            self.metrics.log_value((ALL_MODULES, GRADIENT_CPU_S), self._gradient_cpu_s, reduce="lifetime_sum")
+            self._gradient_cpu_s = 0.0
+        super().after_gradient_based_update(timesteps=timesteps)  # type: ignore[misc]  # mixin: on the RLlib class
 
     def _create_iterator_if_necessary(self, **kwargs):
         batch_iter = super()._create_iterator_if_necessary(**kwargs)
