@@ -154,6 +154,7 @@ def test_a_bad_experiment_for_bench_is_refused_before_ray_starts(tmp_path):
         (["solve", "--set", "stop.return_mean=null", "-o", tmp_path], ["stop.return_mean"]),
         (["solve", "--set", "training.lrr=1", "-o", tmp_path], ["training.lrr"]),
         (["learner", ROOT / "experiments" / "cartpole_appo.yaml", "-o", tmp_path], ["cartpole-appo is APPO"]),
+        (["learner", DEFAULT, "--ways", "lean", "torch", "-o", tmp_path], ["--ways torch", "not PPO"]),
         (["learner", ROOT / "experiments" / "cartpole_dqn.yaml", "--ways", "sb3", "--sb3-python", tmp_path / "none",
           "-o", tmp_path], ["--sb3-python", "cannot run it"]),
     ], tmp_path)

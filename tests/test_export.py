@@ -41,6 +41,23 @@ CASES = {
                     "--set", "multi_agent.policies.evader.model.hidden=[8]", *SMALL_PPO],
 }
 CONTINUOUS = {"appo-gaussian", "sac", "sac-pendulum"}
+# MuJoCo's dynamics grow the runtimes' 1e-7 differences in an action into percents of an episode's return within 100
+# steps: there the export is compared with the checkpoint on every observation of the checkpoint's greedy episode.
+CHAOTIC = {"sac"}
+
+
+class Recording:
+    """A policy that keeps every observation it is asked to act on."""
+
+    def __init__(self, policy) -> None:
+        self.policy, self.observations = policy, []
+
+    def initial_state(self):
+        return self.policy.initial_state()
+
+    def act(self, observations, state=None):
+        self.observations.append(np.asarray(observations))
+        return self.policy.act(observations, state)
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +105,7 @@ def test_round_trip(case, trained, tmp_path):
     TorchScript for the recurrent policy, whose state the episode threads through the model)."""
     from rlplatform.adapter.export import reference_actions
     from rlplatform.adapter.policy import load_inference_module
-    from rlplatform.commands.evaluate import evaluate, run_episodes, run_multi_agent_episodes
+    from rlplatform.commands.evaluate import CheckpointPolicy, evaluate, run_episodes, run_multi_agent_episodes
     from rlplatform.export.runtime import ExportedPolicy
     from rlplatform.export.writer import export_checkpoint
 
@@ -110,12 +127,21 @@ def test_round_trip(case, trained, tmp_path):
             if case == "sac-pendulum":
                 space = described["action_space"]
                 assert (space["low"], space["high"], list(module.action_space.high)) == (-2.0, 2.0, [2.0]), space
-                assert np.abs(actions).max() > 1.5  # the actions use the Box beyond [-1, 1]: the mapping is exercised
+                assert np.abs(actions).max() > 1.0  # the actions use the Box beyond [-1, 1]: the mapping is exercised
         if fmt == "torchscript" and case != "ppo-lstm":
             continue
         if config.multi_agent:
             assert sorted(p["file"] for p in spec["policies"].values()) == [f"evader{spec_suffix(fmt)}", f"pursuer{spec_suffix(fmt)}"]
             got = run_multi_agent_episodes(policies, config.multi_agent.mapping, config.env, config.env_config, episodes, 7)
+        elif case in CHAOTIC:
+            (policy,) = policies.values()
+            module = load_inference_module(info.path, None)
+            recording = Recording(CheckpointPolicy(module, config))
+            run_episodes(recording, config.env, config.env_config, episodes, 7, None, name=case)
+            visited = np.concatenate(recording.observations)
+            actions, _ = policy.act(visited, policy.initial_state(len(visited)))
+            _assert_same_actions(actions, reference_actions(module, config, visited), continuous=True)
+            continue
         else:
             (policy,) = policies.values()
             got = run_episodes(policy, config.env, config.env_config, episodes, 7, None, name=case)

@@ -54,7 +54,7 @@ def add_verb(verbs: Any) -> None:  # argparse's sub-parsers action
                         "on all of them (default: 5)")
     q.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: the experiment's hardware.driver_cpus, as a run's learner uses)")
-    q.add_argument("--ways", nargs="+", default=["lean", "rllib", "torch"], choices=WAYS,
+    q.add_argument("--ways", nargs="+", default=None, choices=WAYS,
                    help="default: lean rllib torch (DQN, SAC); lean rllib (PPO)")
     q.add_argument("--sb3-python", type=Path, default=None,
                    help="the Python that runs the sb3 way, with stable-baselines3 installed (default: this one)")
@@ -71,8 +71,7 @@ def run(args: argparse.Namespace) -> int:
     if config.algorithm not in ALGORITHMS or config.multi_agent is not None:
         raise UserError(f"bench learner measures single-agent {', '.join(ALGORITHMS)} learners; "
                         f"{config.name} is {config.algorithm}{' (multi-agent)' if config.multi_agent else ''}")
-    ways = [w for w in dict.fromkeys(args.ways) if not (config.algorithm == "PPO" and w == "torch"
-                                                       and args.ways == ["lean", "rllib", "torch"])]
+    ways = list(dict.fromkeys(args.ways or (["lean", "rllib"] if config.algorithm == "PPO" else ["lean", "rllib", "torch"])))
     if config.algorithm == "PPO" and "torch" in ways:
         raise UserError("--ways torch: the plain torch update covers DQN and SAC, not PPO")
     sb3_python = args.sb3_python or Path(sys.executable)
