@@ -49,14 +49,14 @@ def build(spec: dict[str, Any]) -> tuple[Callable[[], int], dict[str, Any]]:
 
 
 def _off_policy(sb3: Any, algorithm: str, env: Any, spec: dict[str, Any], activation: Any, hidden: list[int]) -> Any:
+    import numpy as np
+
     kwargs: dict[str, Any] = dict(batch_size=int(spec["batch_size"]), learning_rate=float(spec["lr"]),
                                   gamma=float(spec["gamma"]), buffer_size=int(spec["buffer_steps"]), learning_starts=0,
                                   policy_kwargs=dict(net_arch=hidden, activation_fn=activation), device="cpu", seed=0)
     if algorithm == "SAC":
         kwargs["tau"] = float(spec.get("tau", 0.005))
     model = getattr(sb3, algorithm)("MlpPolicy", env, **kwargs)
-    import numpy as np
-
     obs, _ = env.reset(seed=0)
     env.action_space.seed(0)
     for _ in range(int(spec["buffer_steps"])):
