@@ -210,9 +210,9 @@ class LearnerBench:
             num_gpus_per_learner=1 if self.device == "cuda" else 0).build_learner(env=self.env)
         return learner
 
-    def _ppo_step(self, algo_config) -> Callable[[], float]:
-        """One PPO learner update over a fresh copy of the batch's episodes (the copy not counted: the learner
-        connector adds a step to each episode)."""
+    def _ppo_run(self, algo_config, warmup: int) -> Run:
+        """PPO learner updates, each over a fresh copy of the batch's episodes (the copy not counted: the learner
+        connector adds a step to each episode); the warm-up in whole updates, at most `PPO_WARMUP`."""
         learner = self._learner(algo_config)
         kwargs = dict(num_epochs=algo_config.num_epochs, minibatch_size=algo_config.minibatch_size,
                       shuffle_batch_per_epoch=algo_config.shuffle_batch_per_epoch,
@@ -224,13 +224,13 @@ class LearnerBench:
             learner.update(episodes=episodes, **kwargs)
             return time.perf_counter() - started
 
-        return step
+        return self._local(step, 1, min(warmup, PPO_WARMUP))
 
     def _lean_run(self, warmup: int) -> Run:
         from rlplatform.adapter import speedups
 
         if self.config.algorithm == "PPO":
-            return self._local(self._ppo_step(self.lean_config), 1, min(warmup, PPO_WARMUP))
+            return self._ppo_run(self.lean_config, warmup)
         learner, buffer = self._learner(self.lean_config), self._flat_buffer()
         timesteps = {"num_env_steps_sampled_lifetime": 10**6}
 
@@ -245,7 +245,7 @@ class LearnerBench:
         from ray.rllib.utils.replay_buffers.episode_replay_buffer import EpisodeReplayBuffer
 
         if self.config.algorithm == "PPO":
-            return self._local(self._ppo_step(self.rllib_config), 1, min(warmup, PPO_WARMUP))
+            return self._ppo_run(self.rllib_config, warmup)
         learner, buffer = self._learner(self.rllib_config), EpisodeReplayBuffer(capacity=100_000)
         buffer.add(copy.deepcopy(self.episodes))
         config, timesteps = self.rllib_config, {"num_env_steps_sampled_lifetime": 10**6}
