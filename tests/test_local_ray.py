@@ -120,6 +120,8 @@ def test_agents_listen_on_the_ports_the_raylet_was_given(local_ray):
     assert registered["MetricsAgentPort"] == node.metrics_agent_port != 0
     assert registered["RuntimeEnvAgentPort"] == node.runtime_env_agent_port != 0
     assert registered["DashboardAgentListenPort"] == node.dashboard_agent_listen_port != 0
+    ports = [getattr(node._ray_params, name) for name in local_node.AGENT_PORT_PARAMS]
+    assert len(set(ports)) == len(ports), ports
     expected = {
         "ray::DashboardAgent": {node.metrics_agent_port, node.metrics_export_port, node.dashboard_agent_listen_port},
         "ray::RuntimeEnvAgent": {node.runtime_env_agent_port},
@@ -137,6 +139,25 @@ def test_agents_listen_on_the_ports_the_raylet_was_given(local_ray):
         time.sleep(0.2)
     for name, ports in expected.items():
         assert ports <= listening.get(name, set()), (name, ports, listening)
+
+
+def test_chosen_agent_ports_skip_the_ports_already_set(monkeypatch):
+    """CI once failed to start Ray: the system handed out 52365, the HTTP agent's default port, which is
+    set but not bound until the agent starts, and Ray refuses one port for two components. Here the
+    system is made to offer that port first, twice."""
+    import socket
+
+    offered = iter([52365, 52365, 40001, 40002])
+
+    class ScriptedSocket(socket.socket):
+        def bind(self, address) -> None:
+            self.port = next(offered)
+
+        def getsockname(self):
+            return ("0.0.0.0", self.port)
+
+    monkeypatch.setattr(socket, "socket", ScriptedSocket)
+    assert local_node._free_ports(2, avoid={52365}) == [40001, 40002]
 
 
 def test_dashboard_dependency_check_finds_what_rays_own_check_imports(local_ray):

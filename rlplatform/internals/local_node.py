@@ -8,7 +8,7 @@ API (ray 2.60.0), behind the speed-ups' switch.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Optional
+from typing import Any, Collection, Iterator, Optional
 
 # The raylet connects to its own object store over a socket and retries after
 # `raylet_client_connect_timeout_milliseconds` (1000) when the store thread is not listening yet:
@@ -64,9 +64,10 @@ def lean_local_node() -> Iterator[None]:
         def __init__(self, ray_params, *args, **kwargs):
             ray_params.no_monitor = True
             ray_params.include_log_monitor = False
-            for name, port in zip(AGENT_PORT_PARAMS, _free_ports(len(AGENT_PORT_PARAMS))):
-                if not getattr(ray_params, name):
-                    setattr(ray_params, name, port)
+            unset = [name for name in AGENT_PORT_PARAMS if not getattr(ray_params, name)]
+            taken = {getattr(ray_params, name) for name in AGENT_PORT_PARAMS} - {None, 0}
+            for name, port in zip(unset, _free_ports(len(unset), avoid=taken)):
+                setattr(ray_params, name, port)
             super().__init__(ray_params, *args, **kwargs)
 
         def start_api_server(self, *, include_dashboard, raise_on_failure) -> None:
@@ -106,15 +107,20 @@ def dashboard_dependency_error() -> Optional[ImportError]:
 AGENT_PORT_PARAMS = ("metrics_agent_port", "metrics_export_port", "dashboard_agent_listen_port", "runtime_env_agent_port")
 
 
-def _free_ports(count: int) -> list[int]:
-    """Ports free now, all different (each socket stays bound until every port is chosen)."""
+def _free_ports(count: int, avoid: Collection[int] = ()) -> list[int]:
+    """Ports free now, all different and none in `avoid` (each socket stays bound until every port is
+    chosen). `avoid` holds the ports already set: the HTTP agent's default 52365 is not bound until its
+    agent starts, so the system may hand it out here, and Ray refuses a port given to two components."""
     import socket
 
     with contextlib.ExitStack() as stack:
-        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
-        for s in sockets:
+        ports: list[int] = []
+        while len(ports) < count:
+            s = stack.enter_context(socket.socket())
             s.bind(("", 0))
-        return [s.getsockname()[1] for s in sockets]
+            if s.getsockname()[1] not in avoid:
+                ports.append(s.getsockname()[1])
+        return ports
 
 
 def _announce_agent_listen_port(session_dir: str, node_id: str, port: int) -> None:
