@@ -6,6 +6,7 @@ envs through RLlib's own SingleAgentEpisode.
 """
 
 import copy
+import re
 
 import gymnasium as gym
 import numpy as np
@@ -20,6 +21,7 @@ from ray.rllib.utils.replay_buffers.episode_replay_buffer import EpisodeReplayBu
 
 from rlplatform.adapter.algorithm_config import build_algorithm_config
 from rlplatform.config.experiment import resolve_experiment
+from rlplatform.errors import UserError
 from rlplatform.internals.flat_replay_buffer import FlatReplayBuffer
 from rlplatform.internals.lean_off_policy import _COLUMNS
 
@@ -251,3 +253,35 @@ def test_one_lean_update_of_k_minibatches_is_k_rllib_updates(experiment, env_id,
         torch.testing.assert_close(ours[name], value, rtol=1e-4, atol=1e-5, msg=name)
     assert lean._weights_seq_no == rllib._weights_seq_no == k
     assert lean.last_update_ts_by_mid[DEFAULT_MODULE_ID] == rllib.last_update_ts_by_mid[DEFAULT_MODULE_ID] == 10_000
+
+
+def test_mse_critic_loss_changes_the_critics_gradients_only():
+    """`training.critic_loss: mse` (0.5 x squared TD error, SB3's) instead of RLlib's Huber: larger critic losses where
+    TD errors exceed 1 (at the start on Pendulum, whose rewards reach -16), the same actor and alpha gradients."""
+    results = {}
+    for kind in ("huber", "mse"):
+        torch.manual_seed(0)
+        learner = algo_config("pendulum_sac", f"training.critic_loss={kind}").build_learner(env=gym.make("Pendulum-v1"))
+        assert learner.config.learner_config_dict == {"critic_loss": kind}
+        module = learner.module[DEFAULT_MODULE_ID].unwrapped()
+        torch.manual_seed(1)
+        _, stats, _, grads = learner.lean_loss_and_gradients(
+            DEFAULT_MODULE_ID, module, learner.config.get_config_for_module(DEFAULT_MODULE_ID), train_batch("Pendulum-v1", 1, 256))
+        results[kind] = stats, named_grads(learner, grads)
+    (huber_stats, huber_grads), (mse_stats, mse_grads) = results["huber"], results["mse"]
+    assert mse_stats["qf_loss"] > huber_stats["qf_loss"] > 0 and mse_stats["qf_twin_loss"] > huber_stats["qf_twin_loss"]
+    critics = [name for name in huber_grads if name.startswith("qf")]
+    assert critics and all(not torch.allclose(mse_grads[name], huber_grads[name]) for name in critics)
+    for name in set(huber_grads) - set(critics):
+        torch.testing.assert_close(mse_grads[name], huber_grads[name], msg=name)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["training.critic_loss=mse", "speedups=false"], "RLlib's own SAC learner has only huber"),
+    (["training.critic_loss=l1"], "training.critic_loss = 'l1': one of huber, mse"),
+])
+def test_critic_loss_refusals_name_the_key(overrides, message):
+    with pytest.raises(UserError, match=re.escape(message)):
+        algo_config("pendulum_sac", *overrides)
+    with pytest.raises(UserError, match=re.escape("training.critic_loss: not a DQN hyper-parameter (only SAC)")):
+        algo_config("cartpole_dqn", "training.critic_loss=mse")

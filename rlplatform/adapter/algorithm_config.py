@@ -32,6 +32,11 @@ _CONFIG_CLASSES = {
 }
 # Friendly spellings of RLlib's training kwargs.
 _TRAINING_ALIASES = {"lambda": "lambda_", "batch_size": "train_batch_size_per_learner"}
+# Training keys of ours, not RLlib's: the algorithms that take each and its values (the first is the default). They
+# reach the learner through RLlib's `learner_config_dict`.
+# critic_loss: SAC's critic loss on the TD error; RLlib's SAC learner hard-codes a Huber loss (delta 1), SB3 and the
+# SAC paper use 0.5 x squared error, whose gradient is not capped at 1 while the Q values are still far off.
+OWN_TRAINING_KEYS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {"critic_loss": (("SAC",), ("huber", "mse"))}
 _PLACEMENT = {"pack": "PACK", "spread": "SPREAD", "strict_pack": "STRICT_PACK", "strict_spread": "STRICT_SPREAD"}
 EPISODE_RETURNS = "rlp_episode_returns"
 EPISODE_LENGTHS = "rlp_episode_lengths"
@@ -142,7 +147,26 @@ def _custom_connectors(config: ExperimentConfig) -> bool:
 
 
 def _training_kwargs(config: ExperimentConfig) -> dict[str, Any]:
-    return {_TRAINING_ALIASES.get(k, k): v for k, v in config.training.items()}
+    """The training section as RLlib's `training()` keyword arguments (our own keys left out)."""
+    return {_TRAINING_ALIASES.get(k, k): v for k, v in config.training.items() if k not in OWN_TRAINING_KEYS}
+
+
+def _own_training_settings(config: ExperimentConfig) -> dict[str, Any]:
+    """Our own training keys that the experiment gives, for the learner (RLlib's `learner_config_dict`)."""
+    return {k: v for k, v in config.training.items() if k in OWN_TRAINING_KEYS}
+
+
+def _check_own_training_keys(config: ExperimentConfig) -> None:
+    for key, value in _own_training_settings(config).items():
+        algorithms, values = OWN_TRAINING_KEYS[key]
+        if config.algorithm not in algorithms:
+            raise UserError(f"training.{key}: not a {config.algorithm} hyper-parameter (only {', '.join(algorithms)})")
+        if value not in values:
+            raise UserError(f"training.{key} = {_short_repr(value)}: one of {', '.join(values)}")
+        if value != values[0] and not internals.own_losses_apply(config):
+            raise UserError(f"training.{key} = {value}: RLlib's own {config.algorithm} learner has only "
+                            f"{values[0]}; {value} needs the speed-ups' learner (speedups: true, one policy, "
+                            f"no LSTM, a whole n_step)")
 
 
 def total_train_batch(config: ExperimentConfig) -> Optional[int]:
@@ -168,6 +192,7 @@ def check(config: ExperimentConfig) -> str:
         raise UserError(f"training.minibatch_size: {config.algorithm} cuts minibatches from whole fragments; give "
                         "scale.rollout_fragment_length a number that divides it (RLlib's default for "
                         f"{config.algorithm} is 50), not auto")
+    _check_own_training_keys(config)
     for key, value in _training_kwargs(config).items():
         if key not in known:
             raise UserError(f"training.{key}: not a {config.algorithm} hyper-parameter{did_you_mean(key, known)}")
@@ -351,6 +376,7 @@ def build_algorithm_config(config: ExperimentConfig,
             num_gpus_per_learner=hw.gpus_per_learner,
             **_aggregators(config),
             **_learner_class(config, speedups),
+            learner_config_dict=_own_training_settings(config),
         )
         .resources(
             num_cpus_for_main_process=hw.driver_cpus,

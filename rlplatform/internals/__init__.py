@@ -118,37 +118,56 @@ def numpy_policy_applies(config: Any) -> bool:
             or set(rllib) & _RLLIB_METHODS_AGAINST_NUMPY_POLICY
             or set(rllib.get("env_runners") or {}) & _ENV_RUNNER_KEYS_AGAINST_NUMPY_POLICY):
         return False
+    import gymnasium as gym
+
+    spaces = _env_spaces_of(config)
+    if spaces is None:
+        return False
+    obs, act = spaces
+    return (isinstance(obs, gym.spaces.Box) and len(obs.shape) == 1
+            and ((isinstance(act, gym.spaces.Discrete) and int(act.start) == 0)
+                 or (isinstance(act, gym.spaces.Box) and len(act.shape) == 1)))
+
+
+def _env_spaces_of(config: Any) -> Optional[tuple[Any, Any]]:
+    """The experiment's env's (observation space, action space), built once here; None where the driver cannot."""
     import json
 
     try:
         env_config_json = json.dumps(dict(config.env_config), sort_keys=True, default=repr)
-    except (TypeError, ValueError):  # keys of mixed types cannot be sorted: the runners keep torch's policy
-        return False
-    return _spaces_fit(config.env, env_config_json)
+    except (TypeError, ValueError):  # keys of mixed types cannot be sorted
+        return None
+    return _env_spaces(config.env, env_config_json)
 
 
 @functools.lru_cache(maxsize=64)
-def _spaces_fit(env: str, env_config_json: str) -> bool:
+def _env_spaces(env: str, env_config_json: str) -> Optional[tuple[Any, Any]]:
     import json
-
-    import gymnasium as gym
 
     from rlplatform.config.env_ids import make_env
 
     try:
         instance = make_env(env, **json.loads(env_config_json))
-    except Exception:  # an env the driver cannot build: the runners keep torch
-        return False
+    except Exception:  # an env the driver cannot build
+        return None
     try:
-        obs, act = instance.observation_space, instance.action_space
+        return instance.observation_space, instance.action_space
     finally:
         try:
             instance.close()
         except Exception:
             pass
-    return (isinstance(obs, gym.spaces.Box) and len(obs.shape) == 1
-            and ((isinstance(act, gym.spaces.Discrete) and int(act.start) == 0)
-                 or (isinstance(act, gym.spaces.Box) and len(act.shape) == 1)))
+
+
+def own_losses_apply(config: Any) -> bool:
+    """The lean off-policy learner computes the loss (and so takes our loss settings, e.g. `training.critic_loss`):
+    the speed-ups on, the lean off-policy path, and for SAC a 1-D Box action (discrete SAC keeps RLlib's loss)."""
+    import gymnasium as gym
+
+    if not (enabled(config.speedups) and lean_off_policy_applies(config)):
+        return False
+    spaces = _env_spaces_of(config) if config.algorithm == "SAC" else None
+    return config.algorithm != "SAC" or (spaces is not None and isinstance(spaces[1], gym.spaces.Box))
 
 
 def learner_class(config: Any) -> Optional[type]:

@@ -30,7 +30,7 @@ takes RLlib's own path, unchanged.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import gymnasium as gym
 import numpy as np
@@ -247,6 +247,9 @@ class LeanOffPolicyUpdate(LeanUpdate):
         batch, minibatch_size = _flat_batch(args, kwargs), kwargs.get("minibatch_size")
         module_id = self._flat_module_id(batch, minibatch_size)
         if module_id is None:
+            if self.config.learner_config_dict.get("critic_loss", "huber") != "huber":
+                # RLlib's own loss would train with its Huber loss without a word
+                raise ValueError("training.critic_loss: this update goes to RLlib's own learner, which has only huber")
             return super().update(*args, **kwargs)
         return self._flat_update(module_id, batch, minibatch_size or len(batch), kwargs.get("timesteps") or {})
 
@@ -440,13 +443,13 @@ class LeanSACTorchLearner(LeanOffPolicyUpdate, SACTorchLearner):
         q_next_masked = (1.0 - batch[Columns.TERMINATEDS].float()) * q_target_next
         q_selected_target = (batch[Columns.REWARDS] + (config.gamma ** batch["n_step"]) * q_next_masked).detach()
         td_error = torch.abs(q_selected - q_selected_target)
-        huber = torch.nn.HuberLoss(reduction="none", delta=1.0)
-        critic_loss = torch.mean(batch["weights"] * huber(q_selected, q_selected_target))
+        loss_fn = _critic_loss_fn(config.learner_config_dict.get("critic_loss", "huber"))
+        critic_loss = torch.mean(batch["weights"] * loss_fn(q_selected, q_selected_target))
         critic_twin_loss = None
         if config.twin_q:
             td_error += torch.abs(q_twin_selected - q_selected_target)
             td_error *= 0.5
-            critic_twin_loss = torch.mean(batch["weights"] * huber(q_twin_selected, q_selected_target))
+            critic_twin_loss = torch.mean(batch["weights"] * loss_fn(q_twin_selected, q_selected_target))
         actor_loss = torch.mean(alpha.detach() * logp_resampled - q_curr)
         alpha_loss = -torch.mean(log_alpha * (logp_resampled.detach() + self.target_entropy[module_id]))
         total_loss = actor_loss + critic_loss + alpha_loss + (critic_twin_loss if config.twin_q else 0.0)
@@ -467,6 +470,13 @@ class LeanSACTorchLearner(LeanOffPolicyUpdate, SACTorchLearner):
         if critic_twin_loss is not None:  # config.twin_q
             stats[QF_TWIN_LOSS_KEY] = critic_twin_loss.detach()
         return total_loss, stats, td_error.detach(), grads
+
+
+def _critic_loss_fn(kind: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """`training.critic_loss`: "huber", RLlib's (delta 1); "mse", 0.5 x squared error (SB3's, the SAC paper's)."""
+    if kind == "mse":
+        return lambda prediction, target: 0.5 * (prediction - target) ** 2
+    return torch.nn.HuberLoss(reduction="none", delta=1.0)
 
 
 LEAN_OFF_POLICY_LEARNERS = {"DQN": LeanDQNTorchLearner, "SAC": LeanSACTorchLearner}
