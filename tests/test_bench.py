@@ -88,7 +88,7 @@ def test_solve_reports_each_seed_and_the_median_with_startup_apart(tmp_path):
 
 @pytest.mark.slow
 def test_soak_reads_memory_of_driver_algorithm_and_runner(tmp_path):
-    result = run_cli("bench", "soak", "--minutes", "0.5", "--warmup-minutes", "0.15", "--interval", "2",
+    result = run_cli("bench", "soak", "--minutes", "0.35", "--warmup-minutes", "0.15", "--interval", "2",
                      "--set", "scale.env_runners=1", "--set", "scale.algorithm_in=actor", "-o", tmp_path, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     (path,) = tmp_path.glob("soak-cartpole-ppo-*/soak.json")
@@ -106,7 +106,7 @@ def test_soak_reads_memory_of_driver_algorithm_and_runner(tmp_path):
 @pytest.mark.slow
 @pytest.mark.cluster
 def test_soak_on_a_loopback_cluster_reads_every_process_of_every_node(tmp_path):
-    result = run_cli("bench", "soak", "--nodes", "2", "--node-cpus", "2", "--minutes", "0.5", "--warmup-minutes", "0.15",
+    result = run_cli("bench", "soak", "--nodes", "2", "--node-cpus", "2", "--minutes", "0.35", "--warmup-minutes", "0.15",
                      "--interval", "2", "--set", "scale.env_runners=2", "--set", "scale.placement=spread",
                      "-o", tmp_path, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr

@@ -62,3 +62,13 @@ def test_the_default_experiment_and_the_profiles_are_found_from_any_directory(tm
     resolved = resolve_experiment(None, profile="workstation-1gpu")
     assert resolved.source.resolve() == (ROOT / "experiments" / "cartpole_ppo.yaml").resolve()
     assert resolved.config.hardware.gpus_per_learner == 1  # the profile was found too
+
+
+def test_conv_layers_take_an_optional_padding_and_refuse_anything_else():
+    from rlplatform.config.schema import validate
+
+    nature = [[32, [8, 8], 4, "valid"], [64, [4, 4], 2, "valid"], [64, [3, 3], 1]]
+    assert validate({"model": {"conv_filters": nature}}).model.conv_filters == nature
+    for bad in ([[32, 8, 4, "full"]], [[32, 8, "valid"]], [[32, 8]]):
+        with pytest.raises(UserError, match=r"model\.conv_filters = .*: layer 0: \[out_channels, kernel, stride\]"):
+            validate({"model": {"conv_filters": bad}})

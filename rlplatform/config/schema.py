@@ -32,8 +32,9 @@ class ModelSection(Section):
     hidden: list[int] = Field(default_factory=lambda: [256, 256])
     activation: Literal["tanh", "relu", "swish", "silu", "elu", "linear"] = "tanh"
     vf_share_layers: bool = False
-    # CNN: list of [out_channels, kernel, stride] (RLlib's conv_filters); null = RLlib's default for the image size.
-    conv_filters: Optional[list[list[Union[int, list[int]]]]] = None
+    # CNN: list of [out_channels, kernel, stride] or [out_channels, kernel, stride, "same" | "valid"] (RLlib's
+    # conv_filters; without the padding RLlib pads "same"); null = RLlib's default for the image size.
+    conv_filters: Optional[list[list[Union[int, list[int], str]]]] = None
     conv_activation: Literal["relu", "tanh", "swish", "silu", "elu", "linear"] = "relu"
     use_lstm: bool = False
     lstm_cell_size: int = Field(256, gt=0)
@@ -45,6 +46,16 @@ class ModelSection(Section):
     # "streams" only: the layers after the observation and action encoders (RLlib's fusionnet_hiddens).
     fusion_hidden: list[int] = Field(default_factory=lambda: [256, 256])
     fusion_activation: Literal["tanh", "relu", "swish", "silu", "elu", "linear"] = "tanh"
+
+    @field_validator("conv_filters")
+    @classmethod
+    def _conv_layers(cls, layers: Optional[list[list[Any]]]) -> Optional[list[list[Any]]]:
+        for i, layer in enumerate(layers or []):
+            shape_ok = len(layer) in (3, 4) and all(not isinstance(v, str) for v in layer[:3])
+            if not shape_ok or (len(layer) == 4 and layer[3] not in ("same", "valid")):
+                raise ValueError(f"layer {i}: [out_channels, kernel, stride] or [out_channels, kernel, stride, "
+                                 f"same|valid], not {layer}")
+        return layers
 
     @model_validator(mode="after")
     def _fusion_needs_streams(self) -> "ModelSection":
