@@ -51,3 +51,25 @@ def test_streams_keeps_rllibs_two_encoders_and_fusion_layers():
 def test_fusion_layers_without_streams_are_refused_by_name():
     with pytest.raises(UserError, match="fusion_hidden.*q_network: streams"):
         resolve_experiment(ROOT / "experiments" / "pendulum_sac.yaml", ["model.fusion_hidden=[64]"])
+
+
+@pytest.mark.parametrize("q_network", ["joint", "streams"])
+def test_the_greedy_action_is_the_squashed_mean_and_sampling_stays_rllibs(q_network):
+    """RLlib's squashed Gaussian made deterministic returns the mean before the tanh (ray-project/ray#51544): a
+    greedy SAC policy would act with clip(mean) instead of tanh(mean). Ours squashes; samples are RLlib's."""
+    from ray.rllib.core.distribution.torch.torch_distribution import TorchSquashedGaussian
+
+    module, env = sac_module("pendulum_sac", f"model.q_network={q_network}")
+    obs = torch.as_tensor(gym.vector.utils.batch_space(env.observation_space, 256).sample(), dtype=torch.float32)
+    with torch.no_grad():
+        logits = module.forward_inference({Columns.OBS: obs})[Columns.ACTION_DIST_INPUTS]
+    assert logits.shape == (256, 2)  # Pendulum: one mean, one log std
+    mean = torch.linspace(-3.0, 3.0, 256)[:, None]  # an untrained policy's means are near 0; a trained one's are not
+    logits = torch.cat([mean, logits[:, 1:]], dim=-1)
+    dist_cls = module.get_inference_action_dist_cls()
+    torch.testing.assert_close(dist_cls.from_logits(logits).to_deterministic().sample(), torch.tanh(mean))
+    assert not torch.allclose(TorchSquashedGaussian.from_logits(logits).to_deterministic().sample(), torch.tanh(mean))
+    torch.manual_seed(3)
+    ours = dist_cls.from_logits(logits).sample()
+    torch.manual_seed(3)
+    torch.testing.assert_close(ours, TorchSquashedGaussian.from_logits(logits).sample())

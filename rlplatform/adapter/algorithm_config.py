@@ -307,12 +307,13 @@ def record_episode(*, episode: Any, metrics_logger: Any, prev_episode_chunks: Se
 
 
 def _q_catalog(algorithm: str, model: ModelSection) -> Optional[type]:
-    """SAC's catalog with Q networks on [s, a] (`model.q_network: joint`); None: RLlib's default catalog."""
-    if algorithm != "SAC" or model.q_network != "joint":
+    """SAC's catalog (adapter/sac_q_network.py): Q networks on [s, a] with `model.q_network: joint`, RLlib's two
+    streams with `streams`, and tanh(mean) as the greedy action either way; None (RLlib's catalog) for the others."""
+    if algorithm != "SAC":
         return None
-    from rlplatform.adapter.sac_q_network import JointQSACCatalog
+    from rlplatform.adapter.sac_q_network import JointQSACCatalog, TanhGreedySACCatalog
 
-    return JointQSACCatalog
+    return JointQSACCatalog if model.q_network == "joint" else TanhGreedySACCatalog
 
 
 def _module_catalog(config: ExperimentConfig) -> dict[str, Any]:
