@@ -168,11 +168,12 @@ def algo_config(experiment: str, *overrides: str):
 
 
 def learner_pair(experiment: str, env_id: str):
-    """The lean learner and RLlib's, with the same initial weights."""
+    """The lean learner and RLlib's, with the same initial weights (and RLlib's critic loss, which RLlib's has)."""
     learners = []
+    loss = ("training.critic_loss=huber",) if experiment.endswith("_sac") else ()
     for switch in ("speedups=true", "speedups=false"):
         torch.manual_seed(0)
-        learners.append(algo_config(experiment, switch).build_learner(env=gym.make(env_id)))
+        learners.append(algo_config(experiment, switch, *loss).build_learner(env=gym.make(env_id)))
     return learners
 
 

@@ -151,6 +151,11 @@ def _training_kwargs(config: ExperimentConfig) -> dict[str, Any]:
     return {_TRAINING_ALIASES.get(k, k): v for k, v in config.training.items() if k not in OWN_TRAINING_KEYS}
 
 
+def without_own_training_keys(config: ExperimentConfig) -> ExperimentConfig:
+    """The experiment with RLlib's defaults for our own training keys (what RLlib's own learner can run)."""
+    return config.model_copy(update={"training": {k: v for k, v in config.training.items() if k not in OWN_TRAINING_KEYS}})
+
+
 def _own_training_settings(config: ExperimentConfig) -> dict[str, Any]:
     """Our own training keys that the experiment gives, for the learner (RLlib's `learner_config_dict`)."""
     return {k: v for k, v in config.training.items() if k in OWN_TRAINING_KEYS}
@@ -166,7 +171,7 @@ def _check_own_training_keys(config: ExperimentConfig) -> None:
         if value != values[0] and not internals.own_losses_apply(config):
             raise UserError(f"training.{key} = {value}: RLlib's own {config.algorithm} learner has only "
                             f"{values[0]}; {value} needs the speed-ups' learner (speedups: true, one policy, "
-                            f"no LSTM, a whole n_step)")
+                            f"no LSTM, a whole n_step, a Box action); or set training.{key}={values[0]}")
 
 
 def total_train_batch(config: ExperimentConfig) -> Optional[int]:

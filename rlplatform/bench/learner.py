@@ -125,7 +125,7 @@ class LearnerBench:
     def __init__(self, config: Any, device: str, threads: int = 1, sb3_python: Optional[Path] = None) -> None:
         import gymnasium as gym
 
-        from rlplatform.adapter.algorithm_config import build_algorithm_config
+        from rlplatform.adapter.algorithm_config import build_algorithm_config, without_own_training_keys
         from rlplatform.config.env_ids import runner_env_id
 
         self.config = config
@@ -135,7 +135,8 @@ class LearnerBench:
         self.sb3_facts: Optional[dict[str, Any]] = None
         self._closers: list[Callable[[], None]] = []
         self.lean_config = build_algorithm_config(config.model_copy(update={"speedups": True}))
-        self.rllib_config = build_algorithm_config(config.model_copy(update={"speedups": False}))
+        # RLlib's own learner, with RLlib's own loss where the experiment chose one of ours (the same cost)
+        self.rllib_config = build_algorithm_config(without_own_training_keys(config).model_copy(update={"speedups": False}))
         self.batch_size = self.lean_config.train_batch_size_per_learner
         self.env = gym.make(runner_env_id(config.env), **dict(config.env_config))
         if config.algorithm == "PPO":
