@@ -14,6 +14,7 @@ returns the Gaussian's mean before the tanh (ray-project/ray#51544, open), so a 
 policy was trained around and that SB3's `predict(deterministic=True)` returns. Sampling and the losses are
 unchanged.
 """
+
 from __future__ import annotations
 
 from typing import Any
