@@ -293,7 +293,7 @@ def _multi_agent(algo_config, config: ExperimentConfig) -> None:
         policies_to_train=list(ma.train) if ma.train is not None else None,
     )
     specs = {name: RLModuleSpec(model_config=model_config(config, policy.model),
-                                catalog_class=_q_catalog(config.algorithm, policy.model or config.model))
+                                catalog_class=_sac_catalog(config.algorithm, policy.model or config.model))
              for name, policy in ma.policies.items()}
     algo_config.rl_module(rl_module_spec=MultiRLModuleSpec(rl_module_specs=specs))
 
@@ -311,7 +311,7 @@ def record_episode(*, episode: Any, metrics_logger: Any, prev_episode_chunks: Se
     metrics_logger.log_value(EPISODE_LENGTHS, int(sum(len(c) for c in chunks)), reduce="item_series")
 
 
-def _q_catalog(algorithm: str, model: ModelSection) -> Optional[type]:
+def _sac_catalog(algorithm: str, model: ModelSection) -> Optional[type]:
     """SAC's catalog (adapter/sac_q_network.py): Q networks on [s, a] with `model.q_network: joint`, RLlib's two
     streams with `streams`, and tanh(mean) as the greedy action either way; None (RLlib's catalog) for the others."""
     if algorithm != "SAC":
@@ -324,7 +324,7 @@ def _q_catalog(algorithm: str, model: ModelSection) -> Optional[type]:
 def _module_catalog(config: ExperimentConfig) -> dict[str, Any]:
     from ray.rllib.core.rl_module.rl_module import RLModuleSpec
 
-    catalog = _q_catalog(config.algorithm, config.model)
+    catalog = _sac_catalog(config.algorithm, config.model)
     return {"rl_module_spec": RLModuleSpec(catalog_class=catalog)} if catalog and config.multi_agent is None else {}
 
 
