@@ -42,6 +42,10 @@ def test_throughput_measures_raw_limit_and_each_layout_and_auto_uses_the_best(tm
     for row in layouts.values():
         assert row["env_steps_per_s"] > 0
         assert row["ratio_to_raw_per_runner"] == row["env_steps_per_s"] / (data["raw_env_steps_per_s"] * row["env_runners"])
+        # The runners' own CPU (their processes' threads, Ray's included): some per step, and no more than this
+        # machine's cores give over the window.
+        assert 0 < row["runner_cpu_us_per_step"] < 1e6 * CPUS / row["env_steps_per_s"] * 1.05
+        assert row["ratio_to_raw_per_runner_cpu"] == pytest.approx(1e6 / row["runner_cpu_us_per_step"] / data["raw_env_steps_per_s"])
     assert (tmp_path / "throughput-CartPole-v1.png").stat().st_size > 5000
 
     best = max(layouts.values(), key=lambda r: r["env_steps_per_s"])

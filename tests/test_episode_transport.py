@@ -19,6 +19,7 @@ from rlplatform.config.experiment import resolve_experiment
 from rlplatform.config.sizing import Resources
 from rlplatform.infra.local_ray import connect as connect_ray
 from rlplatform.infra.local_ray import shutdown as shutdown_ray
+from rlplatform.internals.columnar_fragment import FragmentEpisodes
 from rlplatform.internals.episode_stats import chunk_return
 from rlplatform.internals.episode_transport import EPISODE_SLOTS, PackedEpisodes
 
@@ -59,12 +60,19 @@ def assert_same(a, b, path="episode"):
 ])
 def test_packed_episodes_unpickle_to_what_plain_pickling_gives(experiment, overrides, steps):
     sampler = runner(experiment, *overrides)
-    episodes = sampler.sample(num_timesteps=steps)
-    assert type(episodes) is PackedEpisodes  # a remote runner (worker_index 1) packs what it returns
+    sampled = sampler.sample(num_timesteps=steps)
+    # A remote runner (worker_index 1) packs what it returns; the columnar one ships its fragment's columns.
+    assert type(sampled) is (FragmentEpisodes if sampler._fragments is not None else PackedEpisodes)
+    episodes = PackedEpisodes(list(sampled))  # what a lean runner whose episodes are not columnar sends
     packed, packed_buffers = through_pickle(episodes)
     plain, plain_buffers = through_pickle(list(episodes))
     assert type(packed) is list and len(packed) == len(episodes) > 0
     assert_same(packed, plain)
+    shipped, shipped_buffers = through_pickle(sampled)
+    assert_same(shipped, plain)
+    assert shipped_buffers <= packed_buffers
+    for episode in shipped:
+        assert not episode.observations.data.flags.writeable
     assert len(episodes) >= 2  # each of the runner's (at least 2) sub-envs returns at least its running chunk
     assert packed_buffers < plain_buffers  # the arrays of all episodes travel in fewer out-of-band buffers
     if sampler.lean:  # every column packs: one buffer per array column, however many episodes
@@ -79,7 +87,7 @@ def test_packed_episodes_unpickle_to_what_plain_pickling_gives(experiment, overr
 def test_packed_episodes_keep_working_as_episodes():
     sampler = runner("cartpole_ppo", "scale.envs_per_runner=4")
     sampler.sample(num_timesteps=100)
-    (packed, _) = through_pickle(sampler.sample(num_timesteps=40))
+    (packed, _) = through_pickle(PackedEpisodes(sampler.sample(num_timesteps=40)))
     chunk = next(e for e in packed if not e.is_done)
     assert len(chunk.get_observations()) == len(chunk) + 1
     successor = chunk.cut(len_lookback_buffer=1)
@@ -113,7 +121,9 @@ def local_ray():
 @pytest.mark.slow  # a private local Ray instance
 def test_packed_episodes_through_rays_object_store(local_ray):
     episodes = runner("cartpole_ppo", "scale.envs_per_runner=16").sample(num_timesteps=800)
+    assert type(episodes) is FragmentEpisodes
     assert_same(ray.get(ray.put(episodes)), through_pickle(list(episodes))[0])
+    assert_same(ray.get(ray.put(PackedEpisodes(episodes))), through_pickle(list(episodes))[0])
 
 
 @pytest.mark.slow  # a private local Ray instance

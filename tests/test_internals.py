@@ -46,6 +46,11 @@ TABLE = ROOT / "docs" / "internals.md"
 
 # Receivers whose type the parser cannot see: (file, enclosing function, receiver as written) -> class.
 RECEIVER_TYPES = {
+    ("internals/columnar_fragment.py", "ColumnarFragments.start", "e"): "ray.rllib.env.single_agent_episode.SingleAgentEpisode",
+    ("internals/columnar_fragment.py", "episodes_from_columns", "episode"):
+        "ray.rllib.env.single_agent_episode.SingleAgentEpisode",
+    ("internals/columnar_fragment.py", "_buffer", "buffer"):
+        "ray.rllib.env.utils.infinite_lookback_buffer.InfiniteLookbackBuffer",
     ("internals/lean_env_runner.py", "LeanEnvRunner._compute_actions", "module"):
         "ray.rllib.core.rl_module.rl_module.RLModule",
     ("internals/lean_learner.py", "_flat_tensor_batch", "batch"): "ray.rllib.policy.sample_batch.SampleBatch",

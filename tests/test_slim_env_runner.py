@@ -81,13 +81,16 @@ def test_numpy_policy_equals_the_torch_module(overrides):
 
 
 def test_sampled_actions_follow_the_distribution():
-    from rlplatform.internals.numpy_policy import log_softmax, sample_categorical
+    from rlplatform.internals.numpy_policy import log_softmax, sample_categorical_with_logp
 
     rng = np.random.default_rng(0)
     logits = np.tile(np.array([[0.0, 1.0, -1.0, 2.0]], np.float32), (200_000, 1))
-    probs = np.exp(log_softmax(logits[:1]))[0]
-    counts = np.bincount(sample_categorical(np.exp(log_softmax(logits)), rng), minlength=4) / len(logits)
-    np.testing.assert_allclose(counts, probs, atol=0.005)
+    logp_all = log_softmax(logits[:1])[0]
+    actions, logp = sample_categorical_with_logp(logits, rng)
+    counts = np.bincount(actions, minlength=4) / len(logits)
+    np.testing.assert_allclose(counts, np.exp(logp_all), atol=0.005)
+    np.testing.assert_allclose(logp, logp_all[actions], rtol=1e-5, atol=1e-6)
+    assert actions.dtype == np.int64 and logp.dtype == np.float32
 
     config = experiment(*PENDULUM)
     env, _, policy = torch_module_and_policy(config)

@@ -351,9 +351,11 @@ def episode_recorder(speedups: bool) -> Callable[..., None]:
     """The `on_episode_end` callback; with the speed-ups, returns summed from the reward buffers' data."""
     if not speedups:
         return record_episode
+    from rlplatform.internals.columnar_fragment import runs_at_fragment_end
     from rlplatform.internals.episode_stats import chunk_return
 
-    return functools.partial(record_episode, chunk_return=chunk_return)
+    # It only logs the return and length: the columnar env runner may call it when the fragment ends.
+    return runs_at_fragment_end(functools.partial(record_episode, chunk_return=chunk_return))
 
 
 def build_algorithm_config(config: ExperimentConfig,

@@ -4,7 +4,10 @@ First the raw limit: the experiment's env stepped with random actions in one pro
 SyncVectorEnv), no Ray, no policy. Then the platform: for each layout (env runners x envs per runner
 x sync/async vectorisation) real RLlib EnvRunner actors, built from the experiment exactly as
 training builds them, sample with the policy in the loop and learning off. The table gives env
-steps/s and the ratio to the raw limit per env-runner core; JSON and a PNG plot are written too.
+steps/s and the ratio to the raw limit per env-runner core, and the runners' own CPU time per env
+step (each runner process's CPU, read inside it) with the ratio to the raw limit per second of that
+CPU: on a machine where the runners share cores with the driver, the second ratio is the runner's cost.
+JSON and a PNG plot are written too.
 """
 
 from __future__ import annotations
@@ -82,10 +85,15 @@ def run(args: argparse.Namespace) -> int:
                 console.say(f"{layout}: skipped, needs {cpus:g} CPUs and the cluster has {resources.cpus:g}")
                 continue
             config = resolve_experiment(args.experiment, [*args.overrides, *_layout_overrides(layout)], "laptop").config
-            sps = sampling_steps_per_second(config, args.seconds)
+            sampled = sample_runners(config, args.seconds)
+            sps = sampled.steps / sampled.seconds
+            cpu_us = 1e6 * sampled.runner_cpu_s / sampled.steps
             rows.append({**asdict(layout), "layout": str(layout), "env_steps_per_s": sps,
-                         "ratio_to_raw_per_runner": sps / (raw * layout.env_runners)})
-            console.say(f"{layout}: {sps:,.0f} env steps/s ({rows[-1]['ratio_to_raw_per_runner']:.0%} of raw per runner)")
+                         "ratio_to_raw_per_runner": sps / (raw * layout.env_runners),
+                         "runner_cpu_us_per_step": cpu_us, "ratio_to_raw_per_runner_cpu": 1e6 / cpu_us / raw})
+            console.say(f"{layout}: {sps:,.0f} env steps/s ({rows[-1]['ratio_to_raw_per_runner']:.0%} of raw per runner); "
+                        f"runner CPU {cpu_us:.1f} us per env step ({rows[-1]['ratio_to_raw_per_runner_cpu']:.0%} of raw "
+                        f"per runner CPU second; raw: {1e6 / raw:.1f} us)")
     finally:
         local_ray.shutdown()
     _print_table(rows)
@@ -135,11 +143,19 @@ def raw_steps_per_second(env: str, env_config: dict[str, Any], seconds: float) -
         vec.close()
 
 
-def sampling_steps_per_second(config, seconds: float) -> float:
+@dataclass(frozen=True)
+class Sampled:
+    steps: int
+    seconds: float
+    runner_cpu_s: float  # all runner processes together, over the same window
+
+
+def sample_runners(config, seconds: float) -> Sampled:
     """All env runners of the layout sample in parallel, policy in the loop, no learner.
 
     Two requests stay in flight per runner, so a runner samples the next fragment while the
-    driver receives the last one (as an asynchronous algorithm keeps its runners busy).
+    driver receives the last one (as an asynchronous algorithm keeps its runners busy). The window
+    ends when the fragments in flight are back, so the runners' CPU time covers exactly the steps counted.
     """
     import ray
 
@@ -149,28 +165,43 @@ def sampling_steps_per_second(config, seconds: float) -> float:
     try:
         fragment = 50 * config.scale.envs_per_runner
         ray.get([r.sample.remote(num_timesteps=fragment) for r in runners])  # warm-up: envs and module built
+        cpu_before = _runner_cpu_s(runners)
         in_flight = {r.sample.remote(num_timesteps=fragment): r for r in runners for _ in range(2)}
         steps, start = 0, time.perf_counter()
-        while time.perf_counter() - start < seconds:
+        while in_flight:
             (ready,), _ = ray.wait(list(in_flight))
             runner = in_flight.pop(ready)
             steps += sum(e.env_steps() for e in ray.get(ready))
-            in_flight[runner.sample.remote(num_timesteps=fragment)] = runner
-        return steps / (time.perf_counter() - start)
+            if time.perf_counter() - start < seconds:
+                in_flight[runner.sample.remote(num_timesteps=fragment)] = runner
+        elapsed = time.perf_counter() - start
+        return Sampled(steps=steps, seconds=elapsed, runner_cpu_s=_runner_cpu_s(runners) - cpu_before)
     finally:
         for runner in runners:
             ray.kill(runner)
+
+
+def _runner_cpu_s(runners: list) -> float:
+    """The CPU seconds the runners' processes have used, each read in its own process (on any node)."""
+    import ray
+
+    return sum(ray.get([r.__ray_call__.remote(_process_cpu_s) for r in runners]))
+
+
+def _process_cpu_s(_actor: Any) -> float:
+    return time.process_time()
 
 
 def _print_table(rows: list[dict[str, Any]]) -> None:
     from rich.table import Table
 
     table = Table(title="sampling throughput (learning off)")
-    for column in ("layout", "env steps/s", "per runner", "of raw, per runner"):
+    for column in ("layout", "env steps/s", "per runner", "of raw, per runner", "runner CPU us/step", "of raw, per runner CPU"):
         table.add_column(column, justify="right")
     for row in rows:
         table.add_row(row["layout"], f"{row['env_steps_per_s']:,.0f}", f"{row['env_steps_per_s'] / row['env_runners']:,.0f}",
-                      f"{row['ratio_to_raw_per_runner']:.0%}")
+                      f"{row['ratio_to_raw_per_runner']:.0%}", f"{row['runner_cpu_us_per_step']:.1f}",
+                      f"{row['ratio_to_raw_per_runner_cpu']:.0%}")
     console.stdout.print(table)
 
 

@@ -61,7 +61,7 @@ def active(config: Any, local_instance: bool) -> list[str]:
     if local_instance:
         names.insert(0, "local_node")
     if config.multi_agent is None:
-        names += ["lean_env_runner", "packed_episodes"]
+        names += ["lean_env_runner", "packed_episodes", "columnar_fragments"]
     if numpy_policy_applies(config):
         names.append("slim_env_runner")
     if config.algorithm in LEAN_LEARNER_ALGORITHMS:

@@ -34,6 +34,7 @@ from ray.rllib.utils.metrics import WEIGHTS_SEQ_NO
 from ray.rllib.utils.spaces.space_utils import clip_action, unsquash_action
 
 from rlplatform.internals import WEIGHTS_APPLY_S, install_in_process
+from rlplatform.internals.columnar_fragment import AT_FRAGMENT_END, ColumnarFragments, FragmentEpisodes
 from rlplatform.internals.episode_transport import PackedEpisodes
 
 if TYPE_CHECKING:
@@ -61,6 +62,8 @@ class LeanEnvRunner(SingleAgentEnvRunner):
         self.lean = self.env is not None and lean_path_applies(self)
         self._heard_episode_events = {event for event in EPISODE_EVENTS if self._someone_listens(event)}
         self._next_obs: Optional[np.ndarray] = None  # the batch the next actions are computed from
+        self._fragments = (ColumnarFragments(self.env.single_observation_space, self.env.single_action_space)
+                           if self.lean and columnar_applies(self) else None)
 
     def _torch_free(self) -> bool:
         """Whether this runner computes actions without torch (SlimEnvRunner's numpy policy)."""
@@ -93,7 +96,10 @@ class LeanEnvRunner(SingleAgentEnvRunner):
     def sample(self, **kwargs: Any) -> list:
         episodes = super().sample(**kwargs)
         # A remote runner's episodes are pickled on their way out; packed, that costs a fifth as much.
-        return PackedEpisodes(episodes) if self.worker_index > 0 else episodes
+        # A columnar fragment's episodes pickle as the fragment's columns already.
+        if self.worker_index == 0 or isinstance(episodes, FragmentEpisodes):
+            return episodes
+        return PackedEpisodes(episodes)
 
     def _sample(self, *, num_timesteps: Optional[int] = None, num_episodes: Optional[int] = None, explore: bool,
                 random_actions: bool = False, force_reset: bool = False) -> list:
@@ -103,7 +109,51 @@ class LeanEnvRunner(SingleAgentEnvRunner):
             self._next_obs = None
             return super()._sample(num_timesteps=num_timesteps, num_episodes=num_episodes, explore=explore,
                                    random_actions=random_actions, force_reset=force_reset or stale)
+        if self._fragments is not None:
+            return self._sample_columnar(self._fragments, num_timesteps, explore, force_reset)
         return self._sample_lean(num_timesteps, explore, force_reset)
+
+    def _sample_columnar(self, fragments: ColumnarFragments, num_timesteps: int, explore: bool, force_reset: bool) -> list:
+        """The array path, with the fragment's steps kept as arrays and cut into episodes at its end
+        (internals/columnar_fragment.py) instead of added to episode objects step by step."""
+        if force_reset or self._needs_initial_reset or self._next_obs is None:
+            self._reset_lean(explore)
+            fragments.start(self._ongoing_episodes)
+        assert self._next_obs is not None  # set by _reset_lean
+        fragments.begin()
+        self.module.eval()
+        before_failure: list[tuple[int, Any]] = []  # episodes that ended before an env step failed
+        ts, runners = 0, self.config.num_env_runners or 1
+        while ts < num_timesteps:
+            t = (self.num_env_steps_sampled_lifetime // runners + ts) * runners
+            to_env = self._compute_actions(self._next_obs, explore, t)
+            actions = to_env.pop(Columns.ACTIONS)
+            results = self._try_env_step(self._actions_for_env(actions))
+            if results == ENV_STEP_FAILURE:  # as RLlib does: keep the finished episodes, reset everything, go on
+                before_failure += fragments.finish({WEIGHTS_SEQ_NO: self._weights_seq_no})[0]
+                ts = 0
+                self._reset_lean(explore)
+                fragments.start(self._ongoing_episodes)
+                fragments.begin()
+                continue
+            observations, rewards, terminateds, truncateds, infos = results
+            ts += fragments.add(actions, to_env, observations, rewards, terminateds, truncateds, infos)
+            self._next_obs = observations
+        finished, fragment_episodes = fragments.finish({WEIGHTS_SEQ_NO: self._weights_seq_no})
+        chunks = fragment_episodes[len(finished):]
+        episodes: list = fragment_episodes
+        if before_failure:
+            finished = before_failure + finished
+            episodes = [episode for _, episode in finished] + chunks
+        if "on_episode_end" in self._heard_episode_events:
+            for i, episode in finished:
+                self._make_on_episode_callback("on_episode_end", i, {i: episode})  # type: ignore[arg-type]  # indexed only
+        self._done_episodes_for_metrics.extend(episode for _, episode in finished)
+        for chunk in chunks:
+            self._ongoing_episodes_for_metrics[chunk.id_].append(chunk)
+        self._log_env_steps(metric=self._metrics_num_env_steps_sampled, num_steps=ts)
+        self._increase_sampled_metrics(ts, len(finished))
+        return episodes
 
     def _sample_lean(self, num_timesteps: int, explore: bool, force_reset: bool) -> list:
         if force_reset or self._needs_initial_reset or self._next_obs is None:
@@ -120,6 +170,7 @@ class LeanEnvRunner(SingleAgentEnvRunner):
             if results == ENV_STEP_FAILURE:  # as RLlib does: reset everything and go on
                 ts = 0
                 self._reset_lean(explore)
+                episodes = self._ongoing_episodes  # the reset made new ones
                 continue
             observations, rewards, terminateds, truncateds, infos = results
             for i, episode in enumerate(episodes):
@@ -209,6 +260,25 @@ def _categorical_actions(logits: "torch.Tensor", explore: bool) -> dict[str, "to
     logp_all = torch.log_softmax(logits, dim=-1)
     actions = torch.multinomial(logp_all.exp(), 1).squeeze(-1)
     return {Columns.ACTIONS: actions, Columns.ACTION_LOGP: logp_all.gather(-1, actions.unsqueeze(-1)).squeeze(-1)}
+
+
+def columnar_applies(runner: LeanEnvRunner) -> bool:
+    """Episodes built at the fragment's end come out as the per-step path's would (columnar_fragment.py's assumptions)."""
+    return (
+        runner.episodes_to_numpy
+        and runner.config.episode_lookback_horizon == 1
+        and runner.env.metadata.get("autoreset_mode") == gym.vector.AutoresetMode.NEXT_STEP
+        and runner._heard_episode_events <= {"on_episode_end"}
+        and _end_callbacks_run_at_fragment_end(runner)
+    )
+
+
+def _end_callbacks_run_at_fragment_end(runner: LeanEnvRunner) -> bool:
+    if any(type(c).on_episode_end is not RLlibCallback.on_episode_end for c in runner._callbacks):
+        return False
+    functions = runner.config.callbacks_on_episode_end
+    functions = functions if isinstance(functions, (list, tuple)) else [functions] if functions else []
+    return all(getattr(f, AT_FRAGMENT_END, False) for f in functions)
 
 
 def lean_path_applies(runner: SingleAgentEnvRunner) -> bool:

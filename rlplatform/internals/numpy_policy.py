@@ -139,9 +139,8 @@ class NumpyPolicy:
                 actions = logits.argmax(axis=-1).astype(np.int64)
                 out.update({ACTIONS: actions, ACTION_LOGP: np.zeros_like(actions)})
                 return out
-            logp_all = log_softmax(logits)
-            actions = sample_categorical(np.exp(logp_all), self.rng)
-            out.update({ACTIONS: actions, ACTION_LOGP: np.take_along_axis(logp_all, actions[:, None], -1)[:, 0]})
+            actions, logp = sample_categorical_with_logp(logits, self.rng)
+            out.update({ACTIONS: actions, ACTION_LOGP: logp})
             return out
         mean, log_std = np.split(logits, 2, axis=-1)
         if not explore:
@@ -159,9 +158,21 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
 
 
 def sample_categorical(probs: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """One draw per row from (possibly unnormalised) probabilities, by the inverse of their cumulative sum."""
     cumulative = np.cumsum(probs, axis=-1)
-    u = rng.random(len(probs), dtype=np.float32)[:, None] * cumulative[:, -1:]
-    return np.minimum((cumulative <= u).sum(axis=-1), probs.shape[-1] - 1).astype(np.int64)
+    u = rng.random((len(probs), 1), dtype=np.float32) * cumulative[:, -1:]
+    return np.minimum((cumulative <= u).sum(axis=-1), probs.shape[-1] - 1).astype(np.int64, copy=False)
+
+
+def sample_categorical_with_logp(logits: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """`sample_categorical` of softmax(logits) and the draws' log-probabilities, sharing one exp (this runs once per
+    vector step: a few small numpy calls fewer is ~a third of a 32-env batch's action time)."""
+    shifted = logits - logits.max(axis=-1, keepdims=True)
+    unnormalised = np.exp(shifted)
+    actions = sample_categorical(unnormalised, rng)
+    log_total = np.log(unnormalised.sum(axis=-1))
+    logp = shifted[np.arange(len(actions)), actions] - log_total
+    return actions, logp.astype(np.float32, copy=False)
 
 
 def gaussian_logp(actions: np.ndarray, mean: np.ndarray, log_std: np.ndarray) -> np.ndarray:
