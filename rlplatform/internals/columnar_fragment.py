@@ -161,20 +161,19 @@ class ColumnarFragments:
         steps, lookback included, are one contiguous slice."""
         rows, carry = self.rows, self.carry
         steps = len(rows.actions)
-        extras = {k: np.stack(v) for k, v in rows.extras.items()}
+        extra_rows = dict(rows.extras)
         for key, value in constant_extras.items():
-            extras[key] = np.full((steps, len(self.slots)), value)
+            extra_rows[key] = [np.full(len(self.slots), value)] * steps
         if carry is None:  # right after a reset: no episode has a lookback, the front row is never read
             carry = Carry(obs=rows.obs[0], infos=rows.infos[0], actions=rows.actions[0], rewards=rows.rewards[0],
-                          extras={k: v[0] for k, v in extras.items()})
-        extras_with_carry = {k: np.concatenate([np.asarray(carry.extras[k])[None], v]) for k, v in extras.items()}
+                          extras={k: v[0] for k, v in extra_rows.items()})
         shipped = ShippedColumns(
-            obs=_by_env(np.stack([carry.obs, *rows.obs])), infos=[carry.infos, *rows.infos],
-            actions=_by_env(np.stack([carry.actions, *rows.actions])), rewards=_by_env(np.stack([carry.rewards, *rows.rewards])),
-            extras={k: _by_env(v) for k, v in extras_with_carry.items()},
+            obs=_by_env([carry.obs, *rows.obs]), infos=[carry.infos, *rows.infos],
+            actions=_by_env([carry.actions, *rows.actions]), rewards=_by_env([carry.rewards, *rows.rewards]),
+            extras={k: _by_env([carry.extras[k], *v]) for k, v in extra_rows.items()},
             observation_space=self.observation_space, action_space=self.action_space)
         return _Columns(shipped=shipped, terminateds=np.stack(rows.terminateds), truncateds=np.stack(rows.truncateds),
-                        times=rows.times, extras_last={k: v[-1] for k, v in extras_with_carry.items()})
+                        times=rows.times, extras_last={k: v[-1] for k, v in extra_rows.items()})
 
     def _cut(self, columns: "_Columns", i: int, slot: EnvSlot, first: int, last: int) -> "Cut":
         """Where sub-env i's episode lies: from its first observation row `first` to its last step `last` (this
@@ -279,5 +278,6 @@ def _buffer(data: Any, lookback: int, space: Optional[gym.Space], struct: Any) -
     return buffer
 
 
-def _by_env(array: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(np.swapaxes(array, 0, 1))
+def _by_env(rows: list) -> np.ndarray:
+    """[env, row, ...] from a list of [env, ...] rows, in one copy."""
+    return np.stack(rows, axis=1)
