@@ -242,18 +242,45 @@ def test_one_lean_update_of_k_minibatches_is_k_rllib_updates(experiment, env_id,
     timesteps = {NUM_ENV_STEPS_SAMPLED_LIFETIME: 10_000}
 
     torch.manual_seed(2)
-    lean.update(batch=MultiAgentBatch({DEFAULT_MODULE_ID: SampleBatch(batch)}, k * size), minibatch_size=size,
-                timesteps=timesteps)
+    ours_results = lean.update(batch=MultiAgentBatch({DEFAULT_MODULE_ID: SampleBatch(batch)}, k * size),
+                               minibatch_size=size, timesteps=timesteps)
     torch.manual_seed(2)
     for i in range(k):
         minibatch = {key: v[i * size:(i + 1) * size] for key, v in batch.items()}
-        rllib.update(batch=MultiAgentBatch({DEFAULT_MODULE_ID: SampleBatch(minibatch)}, size), timesteps=timesteps)
+        rllib_results = rllib.update(batch=MultiAgentBatch({DEFAULT_MODULE_ID: SampleBatch(minibatch)}, size),
+                                     timesteps=timesteps)
+    # The statistics RLlib logs per minibatch with a window of 1 (losses, Q values, the gradients' global norm):
+    # ours, logged once per update, are the last minibatch's.
+    theirs_stats, ours_stats = rllib_results[DEFAULT_MODULE_ID], ours_results[DEFAULT_MODULE_ID]
+    window_one = [key for key in theirs_stats if key.endswith(("_loss", "_global_norm", "qf_mean", "qf_max", "qf_min"))]
+    assert any(key.endswith("_global_norm") for key in window_one) == (experiment == "cartpole_dqn")  # DQN clips
+    for key in window_one:
+        torch.testing.assert_close(torch.as_tensor(ours_stats[key].peek()).float(),
+                                   torch.as_tensor(theirs_stats[key].peek()).float(), rtol=1e-4, atol=1e-5, msg=key)
 
     ours = lean.module[DEFAULT_MODULE_ID].state_dict()
     for name, value in rllib.module[DEFAULT_MODULE_ID].state_dict().items():  # targets included
         torch.testing.assert_close(ours[name], value, rtol=1e-4, atol=1e-5, msg=name)
     assert lean._weights_seq_no == rllib._weights_seq_no == k
     assert lean.last_update_ts_by_mid[DEFAULT_MODULE_ID] == rllib.last_update_ts_by_mid[DEFAULT_MODULE_ID] == 10_000
+
+
+def test_a_non_finite_gradient_is_zeroed_as_rllib_zeroes_it():
+    """A NaN reward makes gradients NaN: RLlib's learner zeroes the non-finite entries before Adam's step; ours,
+    whose CPU check reads the clipping's norms, too."""
+    lean, rllib = learner_pair("cartpole_dqn", "CartPole-v1")
+    batch = train_batch("CartPole-v1", 1, 64)
+    batch[_COLUMNS["rewards"]][3] = float("nan")
+    module, config = lean.module[DEFAULT_MODULE_ID].unwrapped(), lean.config.get_config_for_module(DEFAULT_MODULE_ID)
+    _, _, _, grads = lean.lean_loss_and_gradients(DEFAULT_MODULE_ID, module, config, batch)
+    assert not all(torch.isfinite(g).all() for g in grads.values())
+    timesteps = {NUM_ENV_STEPS_SAMPLED_LIFETIME: 10}  # before the first target update
+    lean.update(batch=MultiAgentBatch({DEFAULT_MODULE_ID: SampleBatch(batch)}, 64), minibatch_size=64, timesteps=timesteps)
+    rllib.update(batch=MultiAgentBatch({DEFAULT_MODULE_ID: SampleBatch(batch)}, 64), timesteps=timesteps)
+    ours, theirs = lean.module[DEFAULT_MODULE_ID].state_dict(), rllib.module[DEFAULT_MODULE_ID].state_dict()
+    for name, value in theirs.items():
+        assert torch.isfinite(ours[name]).all(), name
+        torch.testing.assert_close(ours[name], value, rtol=1e-5, atol=1e-6, msg=name)
 
 
 def test_mse_critic_loss_changes_the_critics_gradients_only():

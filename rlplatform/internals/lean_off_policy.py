@@ -262,19 +262,24 @@ class LeanOffPolicyUpdate(LeanUpdate):
         module = self.module[module_id].unwrapped()
         module.train()
         config = self.config.get_config_for_module(module_id)
-        td_errors, stats, loss = [], {}, None
+        td_errors, stats, loss, norms = [], {}, None, {}
+        last = len(module_batch) - minibatch_size
         for start in range(0, len(module_batch), minibatch_size):
             self.before_gradient_based_update(timesteps=timesteps)
             self._weights_seq_no += 1
             minibatch = {k: v[start: start + minibatch_size] for k, v in columns.items()}
-            loss, stats, td_error, grads = self.lean_loss_and_gradients(module_id, module, config, minibatch)
-            self._gradient_step(grads)
+            # RLlib logs each minibatch's statistics with a window of 1: only the last one's are reported.
+            loss, stats, td_error, grads = self.lean_loss_and_gradients(module_id, module, config, minibatch,
+                                                                        stats=start >= last)
+            norms = self._gradient_step(module_id, config, grads)
             td_errors.append(td_error)
             self.after_gradient_based_update(timesteps=timesteps)
         with torch.no_grad():
             self.metrics.log_value((module_id, TD_ERROR_KEY), torch.cat(td_errors), reduce="item_series")
             for name, value in stats.items():
                 self.metrics.log_value((module_id, name), value, window=1)
+            for name, norm in norms.items():  # as RLlib's postprocess_gradients_for_module logs it, window 1
+                self.metrics.log_value((module_id, f"gradients_{name}_global_norm"), norm, window=1)
             assert loss is not None  # at least one minibatch: torch.cat above refuses an empty list
             self.metrics.log_value((module_id, self.TOTAL_LOSS_KEY), loss.detach(), window=1)
         self._log_steps_trained_metrics(batch)
@@ -306,17 +311,35 @@ class LeanOffPolicyUpdate(LeanUpdate):
                                 for name, optimizer in self.get_optimizers_for_module(module_id)}
         return cache[module_id]
 
-    def _gradient_step(self, grads: dict) -> None:
-        """RLlib's `apply_gradients` without a host sync per tensor: it zeroes non-finite gradients
-        (`nan_to_num`) where a check finds them; applying `nan_to_num` to every gradient gives the
-        same numbers (finite ones are unchanged) and keeps a GPU learner from waiting on the CPU."""
-        grads = self.postprocess_gradients(grads)
-        skip_check = self.config.torch_skip_nan_gradients
+    def _gradient_step(self, module_id: str, config: Any, grads: dict) -> dict[str, torch.Tensor]:
+        """RLlib's `postprocess_gradients` and `apply_gradients`, with two changes that give the same numbers.
+
+        Clipping by global norm (DQN's default) takes three foreach kernels per optimizer instead of four ops
+        per gradient tensor, and returns each optimizer's global norm for the caller to log once per update
+        (RLlib logs it with a window of 1 after every minibatch). Non-finite gradients are zeroed (RLlib's
+        check, then `nan_to_num`): on a CPU learner only where the clipping's norms found one; elsewhere
+        `nan_to_num` on every gradient (finite ones are unchanged), so that a GPU learner does not wait on
+        the host for the check.
+        """
+        norms: dict[str, torch.Tensor] = {}
+        finite = False
+        if config.grad_clip and config.grad_clip_by == "global_norm":
+            tensor_norms = []
+            for name, params in self._optimizer_params(module_id).items():
+                group = [grads[p] for p in params if p in grads]
+                if group:
+                    norms[name], group_norms = _clip_by_global_norm_(group, config.grad_clip)
+                    tensor_norms.append(group_norms)
+            finite = self.device.type == "cpu" and bool(torch.cat(tensor_norms).isfinite().all()) if tensor_norms else True
+        else:
+            grads = self.postprocess_gradients(grads)
+        zero_non_finite = not (self.config.torch_skip_nan_gradients or finite)
         for param, grad in grads.items():
-            param.grad = grad if skip_check else torch.nan_to_num_(grad)
-        for module_id, optimizer_names in self._module_optimizers.items():
+            param.grad = torch.nan_to_num_(grad) if zero_non_finite else grad
+        for optimizer_module, optimizer_names in self._module_optimizers.items():
             for name in optimizer_names:
-                self.get_optimizer(module_id, name).step()
+                self.get_optimizer(optimizer_module, name).step()
+        return norms
 
     def after_gradient_based_update(self, *, timesteps: dict) -> None:
         """DQNLearner's target-network schedule, the Polyak update done in place on the parameters."""
@@ -336,6 +359,15 @@ class LeanOffPolicyUpdate(LeanUpdate):
 
 
 _DATA_FIELDS = ("batches", "batch_refs", "episodes", "episodes_refs", "data_iterators")
+
+
+def _clip_by_global_norm_(grads: list[torch.Tensor], clip: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """RLlib's `clip_gradients(grad_clip_by="global_norm")` (each tensor's norm, overflow mapped to +-1e9, their
+    norm, the coefficient clamped to 1) in foreach kernels; the global norm and each tensor's raw norm."""
+    tensor_norms = torch.stack(torch._foreach_norm(grads, 2.0))
+    total = torch.norm(tensor_norms.nan_to_num(neginf=-10e8, posinf=10e8), 2.0).nan_to_num(neginf=-10e8, posinf=10e8)
+    torch._foreach_mul_(grads, torch.clamp(clip / torch.clamp(total + 1e-6, min=clip), max=1.0))
+    return total, tensor_norms
 
 
 def _flat_batch(args: tuple, kwargs: dict) -> Optional[MultiAgentBatch]:
@@ -369,7 +401,7 @@ class LeanDQNTorchLearner(LeanOffPolicyUpdate, DQNTorchLearner):
     def _lean_loss_applies(module: Any, config: Any) -> bool:
         return config.num_atoms == 1 and not module.is_stateful()
 
-    def lean_loss_and_gradients(self, module_id: str, module: Any, config: Any, batch: dict):
+    def lean_loss_and_gradients(self, module_id: str, module: Any, config: Any, batch: dict, stats: bool = True):
         # RLlib's _forward_train runs the online network on [obs, next_obs] with gradients and the target
         # network with a graph nobody uses: 2B rows through the online network's backward pass. The same
         # values, with the next observations' passes out of autograd.
@@ -391,10 +423,11 @@ class LeanDQNTorchLearner(LeanOffPolicyUpdate, DQNTorchLearner):
         params = [p for group in self._optimizer_params(module_id).values() for p in group]
         grads = torch.autograd.grad(total_loss, params, allow_unused=True)
         grads = {p: g for p, g in zip(params, grads) if g is not None}
-        stats = {QF_LOSS_KEY: total_loss.detach(), QF_MEAN_KEY: torch.mean(q_selected).detach(),
-                 QF_MAX_KEY: torch.max(q_selected).detach(), QF_MIN_KEY: torch.min(q_selected).detach(),
-                 TD_ERROR_MEAN_KEY: torch.mean(td_error).detach()}
-        return total_loss, stats, td_error.detach(), grads
+        if not stats:
+            return total_loss, {}, td_error.detach(), grads
+        return total_loss, {QF_LOSS_KEY: total_loss.detach(), QF_MEAN_KEY: torch.mean(q_selected).detach(),
+                            QF_MAX_KEY: torch.max(q_selected).detach(), QF_MIN_KEY: torch.min(q_selected).detach(),
+                            TD_ERROR_MEAN_KEY: torch.mean(td_error).detach()}, td_error.detach(), grads
 
 
 class LeanSACTorchLearner(LeanOffPolicyUpdate, SACTorchLearner):
@@ -419,7 +452,7 @@ class LeanSACTorchLearner(LeanOffPolicyUpdate, SACTorchLearner):
     def _lean_loss_applies(module: Any, config: Any) -> bool:
         return isinstance(module.action_space, gym.spaces.Box) and not module.is_stateful()
 
-    def lean_loss_and_gradients(self, module_id: str, module: Any, config: Any, batch: dict):
+    def lean_loss_and_gradients(self, module_id: str, module: Any, config: Any, batch: dict, stats: bool = True):
         # The forward pass of DefaultSACTorchRLModule._forward_train_continuous, op for op (and so
         # the same random draws), without toggling `requires_grad` on the critics around q_curr.
         obs, next_obs = batch[Columns.OBS], batch[Columns.NEXT_OBS]
@@ -461,15 +494,17 @@ class LeanSACTorchLearner(LeanOffPolicyUpdate, SACTorchLearner):
         grads = dict(zip(actor_params, torch.autograd.grad(actor_loss, actor_params, retain_graph=True)))
         grads.update(zip(others, torch.autograd.grad(rest_loss, others)))
 
-        stats = {POLICY_LOSS_KEY: actor_loss.detach(), QF_LOSS_KEY: critic_loss.detach(),
+        if not stats:
+            return total_loss, {}, td_error.detach(), grads
+        stats_of = {POLICY_LOSS_KEY: actor_loss.detach(), QF_LOSS_KEY: critic_loss.detach(),
                  "alpha_loss": alpha_loss.detach(), "alpha_value": alpha[0].detach(),
                  "log_alpha_value": torch.log(alpha)[0].detach(), "target_entropy": self.target_entropy[module_id],
                  LOGPS_KEY: torch.mean(logp_resampled).detach(), QF_MEAN_KEY: torch.mean(q_curr).detach(),
                  QF_MAX_KEY: torch.max(q_curr).detach(), QF_MIN_KEY: torch.min(q_curr).detach(),
                  TD_ERROR_MEAN_KEY: torch.mean(td_error).detach()}
         if critic_twin_loss is not None:  # config.twin_q
-            stats[QF_TWIN_LOSS_KEY] = critic_twin_loss.detach()
-        return total_loss, stats, td_error.detach(), grads
+            stats_of[QF_TWIN_LOSS_KEY] = critic_twin_loss.detach()
+        return total_loss, stats_of, td_error.detach(), grads
 
 
 def _critic_loss_fn(kind: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
