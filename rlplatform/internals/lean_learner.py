@@ -91,6 +91,23 @@ class EagerAdam(torch.optim.Adam if torch is not None else object):  # type: ign
         torch.optim.Optimizer.load_state_dict.__wrapped__(self, state_dict)
 
 
+def clip_gradients_(grads: list[torch.Tensor], clip: float, by: str) -> tuple[Optional[torch.Tensor], torch.Tensor]:
+    """RLlib's `torch_utils.clip_gradients` by "norm" or "global_norm", in place, in a few foreach kernels instead of
+    several ops (and, by "norm", a host read) per tensor: each tensor's L2 norm with overflow mapped to +-1e9; by
+    "norm" each tensor above `clip` scaled by clip / its norm (the others by exactly 1); by "global_norm" all by
+    min(1, clip / max(global norm + 1e-6, clip)). Returns the global norm ("global_norm"; else None) and each tensor's
+    norm before the overflow mapping (for a finiteness check)."""
+    norms = torch.stack(torch._foreach_norm(grads, 2.0))
+    safe = norms.nan_to_num(neginf=-10e8, posinf=10e8)
+    if by == "norm":
+        factors = torch.where(safe > clip, clip / safe, torch.ones_like(safe))
+        torch._foreach_mul_(grads, list(factors.unbind()))
+        return None, norms
+    total = torch.norm(safe, 2.0).nan_to_num(neginf=-10e8, posinf=10e8)
+    torch._foreach_mul_(grads, torch.clamp(clip / torch.clamp(total + 1e-6, min=clip), max=1.0))
+    return total, norms
+
+
 def _all_finite(grads: list[torch.Tensor]) -> bool:
     # One concatenation and one check: 35 us for CartPole's 12 tensors against RLlib's 2 x 79 us.
     return bool(torch.cat([g.reshape(-1) for g in grads]).isfinite().all())
@@ -131,6 +148,8 @@ class LeanUpdate:
     _module: Any
     _params: Any
     _weights_seq_no: int
+    get_optimizers_for_module: Any
+    filter_param_dict_for_optimizer: Any
     _grad_scalers: Any
     _lr_scheduler_classes: Any
     _module_optimizers: Any
@@ -164,6 +183,22 @@ class LeanUpdate:
             self.metrics.log_value((ALL_MODULES, GRADIENT_CPU_S), self._gradient_cpu_s, reduce="lifetime_sum")
             self._gradient_cpu_s = 0.0
         super().after_gradient_based_update(timesteps=timesteps)  # type: ignore[misc]  # mixin: on the RLlib class
+
+    def postprocess_gradients_for_module(self, *, module_id: str, config: Any = None, module_gradients_dict: dict) -> dict:
+        """RLlib's, with clipping by norm or global norm in foreach kernels (`clip_gradients_`): the same gradients
+        and the same logged global norm."""
+        if not config.grad_clip or config.grad_clip_by not in ("norm", "global_norm") or config.log_gradients:
+            return super().postprocess_gradients_for_module(  # type: ignore[misc]  # mixin: on the RLlib class
+                module_id=module_id, config=config, module_gradients_dict=module_gradients_dict)
+        clipped = {}
+        for optimizer_name, optimizer in self.get_optimizers_for_module(module_id):
+            grads = self.filter_param_dict_for_optimizer(param_dict=module_gradients_dict, optimizer=optimizer)
+            if grads:
+                total, _ = clip_gradients_(list(grads.values()), config.grad_clip, config.grad_clip_by)
+                if total is not None:
+                    self.metrics.log_value((module_id, f"gradients_{optimizer_name}_global_norm"), total, window=1)
+            clipped.update(grads)
+        return clipped
 
     def _create_iterator_if_necessary(self, **kwargs):
         batch_iter = super()._create_iterator_if_necessary(**kwargs)

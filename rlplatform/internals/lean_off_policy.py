@@ -76,7 +76,7 @@ from ray.rllib.utils.metrics import (
 from ray.rllib.utils.numpy import convert_to_numpy
 
 from rlplatform.internals.flat_replay_buffer import FlatReplayBuffer
-from rlplatform.internals.lean_learner import EagerAdam, LeanUpdate, _fused_adam_supported
+from rlplatform.internals.lean_learner import EagerAdam, LeanUpdate, _fused_adam_supported, clip_gradients_
 
 FLAT_BUFFER_FOR = {"EpisodeReplayBuffer": False, "PrioritizedEpisodeReplayBuffer": True}  # RLlib type -> prioritized
 _COLUMNS = {"obs": Columns.OBS, "new_obs": Columns.NEXT_OBS, "actions": Columns.ACTIONS, "rewards": Columns.REWARDS,
@@ -236,8 +236,6 @@ class LeanOffPolicyUpdate(LeanUpdate):
     _check_is_built: Any
     before_gradient_based_update: Any
     _log_steps_trained_metrics: Any
-    filter_param_dict_for_optimizer: Any
-    get_optimizers_for_module: Any
     postprocess_gradients: Any
     # ... and of the concrete learners below.
     lean_loss_and_gradients: Any
@@ -328,7 +326,9 @@ class LeanOffPolicyUpdate(LeanUpdate):
             for name, params in self._optimizer_params(module_id).items():
                 group = [grads[p] for p in params if p in grads]
                 if group:
-                    norms[name], group_norms = _clip_by_global_norm_(group, config.grad_clip)
+                    total, group_norms = clip_gradients_(group, config.grad_clip, "global_norm")
+                    assert total is not None  # by global norm
+                    norms[name] = total
                     tensor_norms.append(group_norms)
             finite = self.device.type == "cpu" and bool(torch.cat(tensor_norms).isfinite().all()) if tensor_norms else True
         else:
@@ -359,15 +359,6 @@ class LeanOffPolicyUpdate(LeanUpdate):
 
 
 _DATA_FIELDS = ("batches", "batch_refs", "episodes", "episodes_refs", "data_iterators")
-
-
-def _clip_by_global_norm_(grads: list[torch.Tensor], clip: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """RLlib's `clip_gradients(grad_clip_by="global_norm")` (each tensor's norm, overflow mapped to +-1e9, their
-    norm, the coefficient clamped to 1) in foreach kernels; the global norm and each tensor's raw norm."""
-    tensor_norms = torch.stack(torch._foreach_norm(grads, 2.0))
-    total = torch.norm(tensor_norms.nan_to_num(neginf=-10e8, posinf=10e8), 2.0).nan_to_num(neginf=-10e8, posinf=10e8)
-    torch._foreach_mul_(grads, torch.clamp(clip / torch.clamp(total + 1e-6, min=clip), max=1.0))
-    return total, tensor_norms
 
 
 def _flat_batch(args: tuple, kwargs: dict) -> Optional[MultiAgentBatch]:
