@@ -149,3 +149,94 @@ def test_a_failed_env_step_keeps_the_finished_episodes_and_resets_as_rllib_does(
     columnar = [lean.sample(num_timesteps=n) for n in fragments]
     assert lean.get_metrics()["num_env_step_failures"].peek() > 0
     assert_same_episodes(per_step, columnar)
+
+
+def test_an_episode_chunk_starts_its_clock_in_its_own_fragment():
+    """RLlib's `cut` leaves a continuation without a start time: each chunk's duration lies within its fragment's
+    sampling, however long the pause between fragments (here 60 ms after each of 60 one-step fragments)."""
+    import time as clock
+
+    lean = runner(True, "scale.envs_per_runner=2")
+    for _ in range(60):
+        for episode in lean.sample(num_timesteps=1):
+            assert episode.get_duration_s() < 0.05, (episode.t_started, len(episode))
+        clock.sleep(0.06)
+
+
+def test_a_changed_list_or_custom_data_pickles_packed_and_keeps_it():
+    lean = runner(True, "scale.envs_per_runner=4")
+    episodes = lean.sample(num_timesteps=100)
+    episodes[0].custom_data["seen"] = 1
+    assert pickle.loads(pickle.dumps(episodes))[0].custom_data == {"seen": 1}
+    again = lean.sample(num_timesteps=100)
+    again.reverse()
+    assert [e.id_ for e in pickle.loads(pickle.dumps(again))] == [e.id_ for e in again]
+
+
+def test_an_extra_output_the_last_fragment_lacked_gets_a_zero_lookback():
+    import gymnasium as gym
+    from ray.rllib.env.single_agent_episode import SingleAgentEpisode
+
+    from rlplatform.internals.columnar_fragment import ColumnarFragments
+
+    obs_space, act_space = gym.spaces.Box(-1, 1, (3,), np.float32), gym.spaces.Discrete(2)
+    starts = []
+    for _ in range(2):
+        episode = SingleAgentEpisode(observation_space=obs_space, action_space=act_space)
+        episode.add_env_reset(observation=np.zeros(3, np.float32))
+        starts.append(episode)
+    fragments = ColumnarFragments(obs_space, act_space)
+    fragments.start(starts)
+    never = np.zeros(2, bool)
+    for extras in ({"logp": np.zeros(2, np.float32)}, {"logp": np.zeros(2, np.float32), "vf": np.ones(2, np.float32)}):
+        fragments.begin()
+        for _ in range(3):
+            fragments.add(np.zeros(2, np.int64), dict(extras), np.ones((2, 3), np.float32), np.ones(2), never, never, [{}, {}])
+        _, episodes = fragments.finish({})
+    for episode in episodes:  # chunks continuing the first fragment's episodes
+        episode.validate()
+        assert episode.extra_model_outputs["vf"].lookback == 1
+        np.testing.assert_array_equal(episode.extra_model_outputs["vf"].data, [0.0, 1.0, 1.0, 1.0])
+
+
+def test_episode_end_callbacks_see_the_earlier_chunks_also_before_a_failed_step():
+    """on_episode_end of an episode that ended before a failed env step runs before RLlib's reset forgets its
+    earlier chunks: the recorded lengths and returns equal the per-step path's."""
+    from rlplatform.internals.columnar_fragment import runs_at_fragment_end
+    from rlplatform.internals.lean_env_runner import LeanEnvRunner
+
+    overrides = ["env=rlplatform/Faulty-v0", "env_config.env=CartPole-v1", "env_config.crash_mode=raise",
+                 "env_config.crash_probability=0.01", "env_config.active=true", "env_config.seed=3", "seed=5",
+                 "scale.envs_per_runner=4", "rllib.fault_tolerance.restart_failed_sub_environments=true"]
+    recorded = {}
+    for columnar in (False, True):
+        seen = recorded.setdefault(columnar, [])
+
+        def record(*, episode, prev_episode_chunks=(), _seen=seen, **_):
+            _seen.append((len(episode) + sum(len(c) for c in prev_episode_chunks),
+                          float(episode.get_return() + sum(c.get_return() for c in prev_episode_chunks))))
+
+        config = build_algorithm_config(resolve_experiment(ROOT / "experiments" / "cartpole_ppo.yaml", overrides, "laptop").config)
+        config.callbacks(on_episode_end=runs_at_fragment_end(record))
+        lean = LeanEnvRunner(config=config, worker_index=1, num_workers=1)
+        assert lean._fragments is not None
+        if not columnar:
+            lean._fragments = None
+        for n in (30, 300, 200):
+            lean.sample(num_timesteps=n)
+        assert lean.get_metrics()["num_env_step_failures"].peek() > 0
+    assert recorded[True] == recorded[False] and recorded[True]
+
+
+def test_with_an_on_sample_end_callback_the_episodes_travel_packed():
+    """Such a callback may change the episodes after they were cut: the columns would not carry that."""
+    from rlplatform.internals.episode_transport import PackedEpisodes
+    from rlplatform.internals.lean_env_runner import LeanEnvRunner
+
+    config = build_algorithm_config(resolve_experiment(None, ["scale.envs_per_runner=2"]).config)
+    config.callbacks(on_sample_end=lambda *, samples, **_: samples[0].custom_data.update(tagged=True))
+    lean = LeanEnvRunner(config=config, worker_index=1, num_workers=1)
+    assert lean._fragments is not None  # the columnar path samples; only the transport changes
+    episodes = lean.sample(num_timesteps=20)
+    assert type(episodes) is PackedEpisodes
+    assert pickle.loads(pickle.dumps(episodes))[0].custom_data == {"tagged": True}

@@ -49,6 +49,8 @@ RECEIVER_TYPES = {
     ("internals/columnar_fragment.py", "ColumnarFragments.start", "e"): "ray.rllib.env.single_agent_episode.SingleAgentEpisode",
     ("internals/columnar_fragment.py", "episodes_from_columns", "episode"):
         "ray.rllib.env.single_agent_episode.SingleAgentEpisode",
+    ("internals/columnar_fragment.py", "metrics_shell", "shell"):
+        "ray.rllib.env.single_agent_episode.SingleAgentEpisode",
     ("internals/columnar_fragment.py", "_buffer", "buffer"):
         "ray.rllib.env.utils.infinite_lookback_buffer.InfiniteLookbackBuffer",
     ("internals/lean_env_runner.py", "LeanEnvRunner._compute_actions", "module"):

@@ -16,7 +16,8 @@ them field by field against the per-step path).
 What it assumes (checked by `columnar_applies` in lean_env_runner.py): gymnasium's NEXT_STEP autoreset
 (the step after a sub-env's last one resets it, its action ignored, its reward not counted), RLlib's
 lookback of one step, and no episode callbacks except ones that may run at the fragment's end
-(`runs_at_fragment_end`); on_episode_end then sees the finished episode as arrays, not lists.
+(`runs_at_fragment_end`); on_episode_end then sees the finished episode as arrays, not lists, and its earlier
+chunks (`prev_episode_chunks`) with their id, length, rewards and times only (`metrics_shell`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from ray.rllib.env.single_agent_episode import _REWARDS_BOX_SPACE as REWARDS_SPA
 from ray.rllib.env.single_agent_episode import SingleAgentEpisode
 from ray.rllib.env.utils.infinite_lookback_buffer import InfiniteLookbackBuffer
 from ray.rllib.utils.spaces.space_utils import get_base_struct_from_space
+
+from rlplatform.internals.episode_transport import PackedEpisodes
 
 AT_FRAGMENT_END = "rlplatform_runs_at_fragment_end"
 
@@ -140,14 +143,15 @@ class ColumnarFragments:
                     continue
                 finished.append((last, i, self._cut(columns, i, slot, first, last)))
                 first = last + 2
-                fresh = first - 1 < steps
                 slot.id_, slot.t = uuid.uuid4().hex, 0
-                slot.start_time = rows.times[first - 1] if fresh else None
-                slot.resets_first = not fresh
+                slot.start_time = rows.times[first - 1] if first - 1 < steps else None  # the reset's time
+                slot.resets_first = first - 1 >= steps  # ended on the last step: the next fragment's first resets it
             if first < steps:
                 chunks.append(self._cut(columns, i, slot, first, steps - 1))
                 slot.t += steps - first
-                slot.start_time = None
+            # RLlib's `cut` leaves the continuation without a start time: its next chunk's clock starts at its first
+            # step (or, for `resets_first`, at the reset).
+            slot.start_time = None
         self.carry = Carry(obs=rows.obs[-2], infos=rows.infos[-2], actions=rows.actions[-1], rewards=rows.rewards[-1],
                            extras=columns.extras_last)
         self.rows = Rows()
@@ -170,7 +174,9 @@ class ColumnarFragments:
         shipped = ShippedColumns(
             obs=_by_env([carry.obs, *rows.obs]), infos=[carry.infos, *rows.infos],
             actions=_by_env([carry.actions, *rows.actions]), rewards=_by_env([carry.rewards, *rows.rewards]),
-            extras={k: _by_env([carry.extras[k], *v]) for k, v in extra_rows.items()},
+            # A key the carried step lacks (a module whose exploring and greedy outputs differ, switched between
+            # fragments) gets zeros in the carried row; RLlib's per-step path would start its buffer there instead.
+            extras={k: _by_env([carry.extras.get(k, np.zeros_like(v[0])), *v]) for k, v in extra_rows.items()},
             observation_space=self.observation_space, action_space=self.action_space)
         return _Columns(shipped=shipped, terminateds=np.stack(rows.terminateds), truncateds=np.stack(rows.truncateds),
                         times=rows.times, extras_last={k: v[-1] for k, v in extra_rows.items()})
@@ -228,12 +234,17 @@ class FragmentEpisodes(list):
 
     def __init__(self, episodes: list, columns: Optional[ShippedColumns], cuts: list[Cut]):
         super().__init__(episodes)
-        self._columns, self._cuts = columns, cuts
+        self._columns, self._cuts, self._built = columns, cuts, tuple(episodes)
 
     def __reduce__(self):
-        if self._columns is None or len(self) != len(self._cuts):  # emptied or changed since: pickle what it holds
-            return list, (list(self),)
+        if self._columns is None or not self._unchanged():  # pickle what it holds now, packed
+            return PackedEpisodes(self).__reduce__()
         return episodes_from_columns, (self._columns, self._cuts)
+
+    def _unchanged(self) -> bool:
+        """The same episodes, in the same order, none with custom data (what the columns cannot carry)."""
+        return (len(self) == len(self._built) and all(a is b for a, b in zip(self, self._built))
+                and not any(episode.custom_data for episode in self))
 
 
 def episodes_from_columns(columns: ShippedColumns, cuts: list[Cut]) -> list[SingleAgentEpisode]:
@@ -268,6 +279,25 @@ def episodes_from_columns(columns: ShippedColumns, cuts: list[Cut]) -> list[Sing
         episode._last_added_infos = infos[-1]
         episodes.append(episode)
     return episodes
+
+
+def metrics_shell(episode: SingleAgentEpisode) -> SingleAgentEpisode:
+    """What RLlib's episode metrics read of a chunk it keeps until its episode ends (`len`, `get_return`,
+    `get_duration_s`, the id), with a copy of its rewards: the chunk itself is a view into its whole fragment's
+    arrays, which keeping it would keep alive for every sub-env."""
+    shell = SingleAgentEpisode.__new__(SingleAgentEpisode)
+    shell.id_, shell.t_started, shell.t = episode.id_, episode.t_started, episode.t
+    shell.agent_id = shell.module_id = shell.multi_agent_episode_id = None
+    shell.is_terminated, shell.is_truncated = episode.is_terminated, episode.is_truncated
+    rewards = episode.rewards
+    shell.rewards = _buffer(np.array(rewards.data), rewards.lookback, rewards.space, rewards.space_struct)
+    shell.observations = shell.infos = shell.actions = None
+    shell.extra_model_outputs = {}
+    shell._observation_space, shell._action_space = episode.observation_space, episode.action_space
+    shell._start_time, shell._last_step_time = episode._start_time, episode._last_step_time
+    shell._last_added_observation = shell._last_added_infos = None
+    shell._custom_data = {}
+    return shell
 
 
 def _buffer(data: Any, lookback: int, space: Optional[gym.Space], struct: Any) -> InfiniteLookbackBuffer:

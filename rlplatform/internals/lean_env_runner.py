@@ -34,7 +34,7 @@ from ray.rllib.utils.metrics import WEIGHTS_SEQ_NO
 from ray.rllib.utils.spaces.space_utils import clip_action, unsquash_action
 
 from rlplatform.internals import WEIGHTS_APPLY_S, install_in_process
-from rlplatform.internals.columnar_fragment import AT_FRAGMENT_END, ColumnarFragments, FragmentEpisodes
+from rlplatform.internals.columnar_fragment import AT_FRAGMENT_END, ColumnarFragments, FragmentEpisodes, metrics_shell
 from rlplatform.internals.episode_transport import PackedEpisodes
 
 if TYPE_CHECKING:
@@ -97,7 +97,9 @@ class LeanEnvRunner(SingleAgentEnvRunner):
         episodes = super().sample(**kwargs)
         # A remote runner's episodes are pickled on their way out; packed, that costs a fifth as much.
         # A columnar fragment's episodes pickle as the fragment's columns already.
-        if self.worker_index == 0 or isinstance(episodes, FragmentEpisodes):
+        if self.worker_index == 0:
+            return episodes
+        if isinstance(episodes, FragmentEpisodes) and not self._someone_listens("on_sample_end"):
             return episodes
         return PackedEpisodes(episodes)
 
@@ -130,7 +132,9 @@ class LeanEnvRunner(SingleAgentEnvRunner):
             actions = to_env.pop(Columns.ACTIONS)
             results = self._try_env_step(self._actions_for_env(actions))
             if results == ENV_STEP_FAILURE:  # as RLlib does: keep the finished episodes, reset everything, go on
-                before_failure += fragments.finish({WEIGHTS_SEQ_NO: self._weights_seq_no})[0]
+                finished_before = fragments.finish({WEIGHTS_SEQ_NO: self._weights_seq_no})[0]
+                self._episodes_ended(finished_before)  # before the reset forgets their earlier chunks
+                before_failure += finished_before
                 ts = 0
                 self._reset_lean(explore)
                 fragments.start(self._ongoing_episodes)
@@ -140,20 +144,25 @@ class LeanEnvRunner(SingleAgentEnvRunner):
             ts += fragments.add(actions, to_env, observations, rewards, terminateds, truncateds, infos)
             self._next_obs = observations
         finished, fragment_episodes = fragments.finish({WEIGHTS_SEQ_NO: self._weights_seq_no})
+        self._episodes_ended(finished)
         chunks = fragment_episodes[len(finished):]
         episodes: list = fragment_episodes
         if before_failure:
             finished = before_failure + finished
             episodes = [episode for _, episode in finished] + chunks
-        if "on_episode_end" in self._heard_episode_events:
-            for i, episode in finished:
-                self._make_on_episode_callback("on_episode_end", i, {i: episode})  # type: ignore[arg-type]  # indexed only
-        self._done_episodes_for_metrics.extend(episode for _, episode in finished)
+        # What RLlib's metrics keep of each episode until `get_metrics`, without the fragment's arrays.
+        self._done_episodes_for_metrics.extend(metrics_shell(episode) for _, episode in finished)
         for chunk in chunks:
-            self._ongoing_episodes_for_metrics[chunk.id_].append(chunk)
+            self._ongoing_episodes_for_metrics[chunk.id_].append(metrics_shell(chunk))
         self._log_env_steps(metric=self._metrics_num_env_steps_sampled, num_steps=ts)
         self._increase_sampled_metrics(ts, len(finished))
         return episodes
+
+    def _episodes_ended(self, finished: list[tuple[int, Any]]) -> None:
+        """on_episode_end for each finished episode (sub-env index, episode), where something listens."""
+        if "on_episode_end" in self._heard_episode_events:
+            for i, episode in finished:
+                self._make_on_episode_callback("on_episode_end", i, {i: episode})  # type: ignore[arg-type]  # indexed only
 
     def _sample_lean(self, num_timesteps: int, explore: bool, force_reset: bool) -> list:
         if force_reset or self._needs_initial_reset or self._next_obs is None:
