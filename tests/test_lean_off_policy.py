@@ -167,13 +167,13 @@ def algo_config(experiment: str, *overrides: str):
     return build_algorithm_config(config)
 
 
-def learner_pair(experiment: str, env_id: str):
+def learner_pair(experiment: str, env_id: str, *overrides: str):
     """The lean learner and RLlib's, with the same initial weights (and RLlib's critic loss, which RLlib's has)."""
     learners = []
     loss = ("training.critic_loss=huber",) if experiment.endswith("_sac") else ()
     for switch in ("speedups=true", "speedups=false"):
         torch.manual_seed(0)
-        learners.append(algo_config(experiment, switch, *loss).build_learner(env=gym.make(env_id)))
+        learners.append(algo_config(experiment, switch, *loss, *overrides).build_learner(env=gym.make(env_id)))
     return learners
 
 
@@ -263,6 +263,32 @@ def test_one_lean_update_of_k_minibatches_is_k_rllib_updates(experiment, env_id,
         torch.testing.assert_close(ours[name], value, rtol=1e-4, atol=1e-5, msg=name)
     assert lean._weights_seq_no == rllib._weights_seq_no == k
     assert lean.last_update_ts_by_mid[DEFAULT_MODULE_ID] == rllib.last_update_ts_by_mid[DEFAULT_MODULE_ID] == 10_000
+
+
+@pytest.mark.parametrize("clip", [("training.grad_clip=0.05", "training.grad_clip_by=norm"),
+                                  ("training.grad_clip=0.05", "training.grad_clip_by=global_norm"),
+                                  ("training.grad_clip=0.05", "training.grad_clip_by=value")],
+                         ids=["per-tensor", "global", "value"])
+def test_clipped_updates_are_rllibs(clip):
+    """Clipping hard enough to bite on every minibatch: per tensor and by global norm in foreach kernels, by value
+    through RLlib's own function; the same weights after k minibatches."""
+    lean, rllib = learner_pair("cartpole_dqn", "CartPole-v1", *clip)
+    k, size = 3, 64
+    batch = train_batch("CartPole-v1", 1, k * size)
+    timesteps = {NUM_ENV_STEPS_SAMPLED_LIFETIME: 10}
+    lean.update(batch=MultiAgentBatch({DEFAULT_MODULE_ID: SampleBatch(batch)}, k * size), minibatch_size=size,
+                timesteps=timesteps)
+    for i in range(k):
+        minibatch = {key: v[i * size:(i + 1) * size] for key, v in batch.items()}
+        rllib.update(batch=MultiAgentBatch({DEFAULT_MODULE_ID: SampleBatch(minibatch)}, size), timesteps=timesteps)
+    ours = lean.module[DEFAULT_MODULE_ID].state_dict()
+    for name, value in rllib.module[DEFAULT_MODULE_ID].state_dict().items():
+        torch.testing.assert_close(ours[name], value, rtol=1e-4, atol=1e-6, msg=name)
+    unclipped, _ = learner_pair("cartpole_dqn", "CartPole-v1", "training.grad_clip=null")
+    unclipped.update(batch=MultiAgentBatch({DEFAULT_MODULE_ID: SampleBatch(batch)}, k * size), minibatch_size=size,
+                     timesteps=timesteps)
+    plain = unclipped.module[DEFAULT_MODULE_ID].state_dict()
+    assert any(not torch.allclose(ours[name], plain[name], rtol=1e-4, atol=1e-6) for name in plain)  # it clipped
 
 
 def test_a_non_finite_gradient_is_zeroed_as_rllib_zeroes_it():

@@ -76,7 +76,13 @@ from ray.rllib.utils.metrics import (
 from ray.rllib.utils.numpy import convert_to_numpy
 
 from rlplatform.internals.flat_replay_buffer import FlatReplayBuffer
-from rlplatform.internals.lean_learner import EagerAdam, LeanUpdate, _fused_adam_supported, clip_gradients_
+from rlplatform.internals.lean_learner import (
+    EagerAdam,
+    LeanUpdate,
+    _fused_adam_supported,
+    clip_per_optimizer,
+    foreach_clip_applies,
+)
 
 FLAT_BUFFER_FOR = {"EpisodeReplayBuffer": False, "PrioritizedEpisodeReplayBuffer": True}  # RLlib type -> prioritized
 _COLUMNS = {"obs": Columns.OBS, "new_obs": Columns.NEXT_OBS, "actions": Columns.ACTIONS, "rewards": Columns.REWARDS,
@@ -312,25 +318,19 @@ class LeanOffPolicyUpdate(LeanUpdate):
     def _gradient_step(self, module_id: str, config: Any, grads: dict) -> dict[str, torch.Tensor]:
         """RLlib's `postprocess_gradients` and `apply_gradients`, with two changes that give the same numbers.
 
-        Clipping by global norm (DQN's default) takes three foreach kernels per optimizer instead of four ops
-        per gradient tensor, and returns each optimizer's global norm for the caller to log once per update
-        (RLlib logs it with a window of 1 after every minibatch). Non-finite gradients are zeroed (RLlib's
-        check, then `nan_to_num`): on a CPU learner only where the clipping's norms found one; elsewhere
-        `nan_to_num` on every gradient (finite ones are unchanged), so that a GPU learner does not wait on
-        the host for the check.
+        Clipping by norm or global norm (DQN's default) takes a few foreach kernels per optimizer instead of
+        several ops per gradient tensor (`clip_per_optimizer`), and returns each optimizer's global norm for the
+        caller to log once per update (RLlib logs it with a window of 1 after every minibatch). Non-finite
+        gradients are zeroed (RLlib's check, then `nan_to_num`): on a CPU learner only where the clipping's
+        norms found one; elsewhere `nan_to_num` on every gradient (finite ones are unchanged), so that a GPU
+        learner does not wait on the host for the check.
         """
-        norms: dict[str, torch.Tensor] = {}
+        global_norms: dict[str, torch.Tensor] = {}
         finite = False
-        if config.grad_clip and config.grad_clip_by == "global_norm":
-            tensor_norms = []
-            for name, params in self._optimizer_params(module_id).items():
-                group = [grads[p] for p in params if p in grads]
-                if group:
-                    total, group_norms = clip_gradients_(group, config.grad_clip, "global_norm")
-                    assert total is not None  # by global norm
-                    norms[name] = total
-                    tensor_norms.append(group_norms)
-            finite = self.device.type == "cpu" and bool(torch.cat(tensor_norms).isfinite().all()) if tensor_norms else True
+        if foreach_clip_applies(config):
+            groups = {name: [grads[p] for p in params if p in grads] for name, params in self._optimizer_params(module_id).items()}
+            global_norms, tensor_norms = clip_per_optimizer(config, groups)
+            finite = self.device.type == "cpu" and (not tensor_norms or bool(torch.cat(tensor_norms).isfinite().all()))
         else:
             grads = self.postprocess_gradients(grads)
         zero_non_finite = not (self.config.torch_skip_nan_gradients or finite)
@@ -339,7 +339,7 @@ class LeanOffPolicyUpdate(LeanUpdate):
         for optimizer_module, optimizer_names in self._module_optimizers.items():
             for name in optimizer_names:
                 self.get_optimizer(optimizer_module, name).step()
-        return norms
+        return global_norms
 
     def after_gradient_based_update(self, *, timesteps: dict) -> None:
         """DQNLearner's target-network schedule, the Polyak update done in place on the parameters."""
@@ -488,11 +488,11 @@ class LeanSACTorchLearner(LeanOffPolicyUpdate, SACTorchLearner):
         if not stats:
             return total_loss, {}, td_error.detach(), grads
         stats_of = {POLICY_LOSS_KEY: actor_loss.detach(), QF_LOSS_KEY: critic_loss.detach(),
-                 "alpha_loss": alpha_loss.detach(), "alpha_value": alpha[0].detach(),
-                 "log_alpha_value": torch.log(alpha)[0].detach(), "target_entropy": self.target_entropy[module_id],
-                 LOGPS_KEY: torch.mean(logp_resampled).detach(), QF_MEAN_KEY: torch.mean(q_curr).detach(),
-                 QF_MAX_KEY: torch.max(q_curr).detach(), QF_MIN_KEY: torch.min(q_curr).detach(),
-                 TD_ERROR_MEAN_KEY: torch.mean(td_error).detach()}
+                    "alpha_loss": alpha_loss.detach(), "alpha_value": alpha[0].detach(),
+                    "log_alpha_value": torch.log(alpha)[0].detach(), "target_entropy": self.target_entropy[module_id],
+                    LOGPS_KEY: torch.mean(logp_resampled).detach(), QF_MEAN_KEY: torch.mean(q_curr).detach(),
+                    QF_MAX_KEY: torch.max(q_curr).detach(), QF_MIN_KEY: torch.min(q_curr).detach(),
+                    TD_ERROR_MEAN_KEY: torch.mean(td_error).detach()}
         if critic_twin_loss is not None:  # config.twin_q
             stats_of[QF_TWIN_LOSS_KEY] = critic_twin_loss.detach()
         return total_loss, stats_of, td_error.detach(), grads
