@@ -46,6 +46,8 @@ TABLE = ROOT / "docs" / "internals.md"
 
 # Receivers whose type the parser cannot see: (file, enclosing function, receiver as written) -> class.
 RECEIVER_TYPES = {
+    ("internals/lean_ppo.py", "lean_sampling_applies", "algo_config"): "ray.rllib.algorithms.algorithm_config.AlgorithmConfig",
+    ("internals/lean_ppo.py", "use_lean_ppo", "algo_config"): "ray.rllib.algorithms.algorithm_config.AlgorithmConfig",
     ("internals/columnar_fragment.py", "ColumnarFragments.start", "e"): "ray.rllib.env.single_agent_episode.SingleAgentEpisode",
     ("internals/columnar_fragment.py", "episodes_from_columns", "episode"):
         "ray.rllib.env.single_agent_episode.SingleAgentEpisode",

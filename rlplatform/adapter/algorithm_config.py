@@ -419,6 +419,8 @@ def build_algorithm_config(config: ExperimentConfig,
             getattr(algo_config, method)(**kwargs)
         if speedups and internals.lean_off_policy_applies(config):
             internals.use_lean_off_policy(algo_config)
+        if speedups:
+            internals.use_lean_ppo_where_it_applies(config, algo_config)
         algo_config.validate()
     except Exception as exc:  # RLlib's setters and checks raise anything on a value of the wrong shape
         raise UserError(f"RLlib rejected the configuration: {_first_line(exc)}") from None

@@ -66,6 +66,8 @@ def active(config: Any, local_instance: bool) -> list[str]:
         names.append("slim_env_runner")
     if config.algorithm in LEAN_LEARNER_ALGORITHMS:
         names.append("lean_learner")
+    if _lean_ppo_expected(config):
+        names.append("lean_ppo_sampling")
     if lean_off_policy_applies(config):
         names += ["lean_off_policy", "flat_replay_buffer"]
     return names
@@ -188,6 +190,28 @@ def lean_off_policy_applies(config: Any) -> bool:
     n_step = config.training.get("n_step", 1)
     return (config.algorithm in LEAN_OFF_POLICY_ALGORITHMS and config.multi_agent is None
             and not config.model.use_lstm and isinstance(n_step, int) and not isinstance(n_step, bool))
+
+
+# Pass-through settings under which the runners' state needs RLlib's own broadcasts (lean_ppo.lean_sampling_applies).
+_ENV_RUNNER_KEYS_AGAINST_LEAN_PPO = {"env_to_module_connector", "module_to_env_connector", "merge_env_runner_states",
+                                     "broadcast_env_runner_states"}
+
+
+def _lean_ppo_expected(config: Any) -> bool:
+    """What `lean_ppo.lean_sampling_applies` will say of the built RLlib config, read from the experiment."""
+    return (config.algorithm == "PPO" and bool(config.scale.env_runners)
+            and not set(config.rllib.get("env_runners") or {}) & _ENV_RUNNER_KEYS_AGAINST_LEAN_PPO
+            and "count_steps_by" not in (config.rllib.get("multi_agent") or {}))
+
+
+def use_lean_ppo_where_it_applies(config: Any, algo_config: Any) -> None:
+    """RLlib's PPO config pointed at `LeanPPO` (one request per runner per iteration) where it applies: an experiment
+    that passes any of the keys above through to RLlib keeps RLlib's iteration (`--set
+    rllib.env_runners.broadcast_env_runner_states=true` is the way to measure one against the other)."""
+    from rlplatform.internals.lean_ppo import lean_sampling_applies, use_lean_ppo
+
+    if _lean_ppo_expected(config) and lean_sampling_applies(algo_config):
+        use_lean_ppo(algo_config)
 
 
 def use_lean_off_policy(algo_config: Any) -> None:
