@@ -20,7 +20,8 @@ LAYERS: list[set[str]] = [
     {"__main__"},
     {"cli"},
     {"commands"},
-    {"bench", "export"},
+    {"bench", "serving"},
+    {"export"},
     {"run"},
     {"dashboards", "infra"},
     {"adapter"},
@@ -156,7 +157,7 @@ def planted(package: str, source: str) -> list[str]:
     ("commands", "from rlplatform import internals\n", "internals is reached through"),
     ("commands", "import ray.rllib.core\n", "RLlib is imported only in"),
     ("config", "def gpus():\n    import torch\n", "before Ray or torch loads"),
-    ("bench", "from rlplatform.export import spec\n", "a sibling of the same layer"),
+    ("bench", "from rlplatform.serving import requests\n", "a sibling of the same layer"),
 ])
 def test_a_planted_violation_is_caught_even_inside_a_function(package, source, expected):
     found = planted(package, source)

@@ -1,0 +1,1 @@
+"""Serving trained policies over HTTP on Ray Serve (`rlplatform serve`): request checks and the Serve application."""
