@@ -372,3 +372,17 @@ def test_a_multi_agent_run_serves_each_policy_by_id_and_an_export_directory_serv
                 assert server.request("/v1/act", {"observations": obs.tolist(), "stochastic": True})[0] == 422
         finally:
             assert server.stop() == 0, "".join(server.output)
+
+
+@pytest.mark.slow
+def test_bench_serve_measures_every_way_at_every_concurrency(trained, tmp_path):
+    result = run_cli("bench", "serve", trained, "--concurrency", "1", "3", "--seconds", "1", "-o", tmp_path, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    (path,) = tmp_path.glob("serve-*/serve.json")
+    rows = json.loads(path.read_text())["results"]
+    assert [(r["way"], r["concurrency"]) for r in rows] == [
+        (way, c) for way in ("serve-batched", "serve-unbatched", "onnxruntime") for c in (1, 3)]
+    for row in rows:
+        assert row["requests"] > 0 and row["errors"] == 0 and row["requests_per_s"] > 0
+        assert 0 < row["p50_ms"] <= row["p99_ms"]
+    assert "bench serve: requests/s and latency" in result.stdout
