@@ -29,6 +29,7 @@ LAYERS: list[set[str]] = [
     {"rlplatform_envs"},
     {"config"},
     {"console", "errors", "__init__"},
+    {"client"},
 ]
 LAYER_OF = {package: depth for depth, packages in enumerate(LAYERS) for package in packages}
 # The only packages that may import `internals` besides itself: its one door.

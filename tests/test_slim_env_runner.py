@@ -81,7 +81,7 @@ def test_numpy_policy_equals_the_torch_module(overrides):
 
 
 def test_sampled_actions_follow_the_distribution():
-    from rlplatform.internals.numpy_policy import log_softmax, sample_categorical_with_logp
+    from rlplatform.client.numpy_policy import log_softmax, sample_categorical_with_logp
 
     rng = np.random.default_rng(0)
     logits = np.tile(np.array([[0.0, 1.0, -1.0, 2.0]], np.float32), (200_000, 1))

@@ -184,10 +184,10 @@ def total_train_batch(config: ExperimentConfig) -> Optional[int]:
         return None
 
 
-def check(config: ExperimentConfig) -> str:
+def check(config: ExperimentConfig) -> Optional[str]:
     """Validate what only RLlib can tell (hyper-parameter names, pass-through options, env id).
 
-    Returns the env id to hand to env runners. Raises UserError; starts no Ray.
+    Returns the env id to hand to env runners (None for `env: external`). Raises UserError; starts no Ray.
     """
     cls = config_class(config.algorithm)
     known = training_parameters(config.algorithm)
@@ -217,6 +217,8 @@ def check(config: ExperimentConfig) -> str:
                 raise UserError(f"rllib.{method}.{key}: not an argument of {method}(){did_you_mean(key, accepted)}")
     _check_samples_per_learner(config)
     _check_learner_bundles(config)
+    if config.external is not None:
+        return None
     env_id = runner_env_id(config.env)
     if is_multi_agent_env(config.env) and config.multi_agent is None:
         raise UserError(f"env {config.env!r} is multi-agent: add a multi_agent section (policies, mapping)")
@@ -296,6 +298,31 @@ def _multi_agent(algo_config, config: ExperimentConfig) -> None:
                                 catalog_class=_sac_catalog(config.algorithm, policy.model or config.model))
              for name, policy in ma.policies.items()}
     algo_config.rl_module(rl_module_spec=MultiRLModuleSpec(rl_module_specs=specs))
+
+
+def _external(algo_config: AlgorithmConfig, config: ExperimentConfig) -> None:
+    """Env runners that listen for simulators outside Ray (adapter/external_runner.py, docs/external.md)."""
+    from rlplatform.adapter.external_runner import SETTINGS_KEY, ExternalEnvRunner, space_from_spec
+
+    ext = config.external
+    assert ext is not None
+    obs_space, act_space = space_from_spec(ext.observation_space.model_dump()), space_from_spec(ext.action_space.model_dump())
+    algo_config.environment(env=None, observation_space=obs_space, action_space=act_space)
+    algo_config.env_runners(env_runner_cls=ExternalEnvRunner, num_envs_per_env_runner=1, sample_timeout_s=ext.sample_timeout_s,
+                            use_env_runner_state_server=False)  # weights pushed to the runners, which pass them on
+    model = algo_config.model_config
+    discrete = ext.action_space.type == "Discrete"
+    client_config = {
+        "algorithm": config.algorithm, "observation_space": ext.observation_space.model_dump(exclude_none=True),
+        "action_space": ext.action_space.model_dump(exclude_none=True),
+        "policy": {"action_kind": "categorical" if discrete else "gaussian",
+                   "action_dim": ext.action_space.n if discrete else (ext.action_space.shape or [1])[0],
+                   "activation": model.get("fcnet_activation"), "head_activation": model.get("head_fcnet_activation")},
+        "fragment": int(algo_config.get_rollout_fragment_length()),
+    }
+    algo_config.environment(env_config={SETTINGS_KEY: {
+        "host": ext.host, "ports": list(ext.ports or []), "token_file": ext.token_file,
+        "on_policy": config.algorithm == "PPO", "client_config": client_config}})
 
 
 def record_episode(*, episode: Any, metrics_logger: Any, prev_episode_chunks: Sequence[Any] = (),
@@ -403,6 +430,8 @@ def build_algorithm_config(config: ExperimentConfig,
         raise UserError(f"RLlib rejected the configuration: {_first_line(exc)}") from None
     if config.multi_agent is not None:
         _multi_agent(algo_config, config)
+    if config.external is not None:
+        _external(algo_config, config)
     if config.evaluation.interval:
         algo_config.evaluation(
             evaluation_interval=config.evaluation.interval,

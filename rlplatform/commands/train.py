@@ -66,6 +66,7 @@ def run(args: argparse.Namespace) -> int:
             lock = rundir.WriterLock(plan.run_dir)
         rundir.write_config(plan.run_dir, plan.config)
         rundir.write_manifest(plan.run_dir, plan.config, _manifest_facts(args, resolved, plan))
+        rundir.write_external(plan.run_dir, plan.config)
         if args.dashboard:
             from rlplatform.dashboards import tensorboard
 

@@ -177,6 +177,45 @@ class MultiAgentSection(Section):
         return self
 
 
+EXTERNAL_ENV = "external"
+EXTERNAL_ALGORITHMS = ("PPO", "APPO", "IMPALA")
+
+
+class SpaceSpec(Section):
+    """An observation or action space in export.json's form: {type: Box, shape, low, high[, dtype]} or {type: Discrete, n}."""
+
+    type: Literal["Box", "Discrete"]
+    shape: Optional[list[int]] = None
+    low: Optional[Union[float, list[Any]]] = None
+    high: Optional[Union[float, list[Any]]] = None
+    dtype: Optional[Literal["float32", "float64"]] = None  # a Box's; float32 when not given
+    n: Optional[int] = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _complete(self) -> "SpaceSpec":
+        if self.type == "Discrete" and self.n is None:
+            raise ValueError("a Discrete space needs n")
+        if self.type == "Box" and (not self.shape or any(d < 1 for d in self.shape) or self.low is None or self.high is None):
+            raise ValueError("a Box space needs shape (positive sizes), low and high (a number or nested lists)")
+        return self
+
+
+class ExternalSection(Section):
+    """`env: external`: simulators outside Ray connect to the run's env runners over the client protocol (docs/external.md)."""
+
+    observation_space: SpaceSpec
+    action_space: SpaceSpec
+    host: str = "127.0.0.1"
+    # The first runner's port; runner i listens on port + i - 1. 0: free ports chosen when the run starts.
+    port: int = Field(0, ge=0, le=65535)
+    # A file holding the token clients must send; required when `host` is not a loopback address.
+    token_file: Optional[str] = None
+    # Set by the run when it starts (from `port`, or free ports where it is 0), kept by a resume: runner i's port.
+    ports: Optional[list[int]] = None
+    # Seconds PPO waits for the simulators' samples before it goes on with the ones that came (RLlib's sample_timeout_s).
+    sample_timeout_s: float = Field(30.0, gt=0)
+
+
 class ExperimentConfig(Section):
     version: Literal[1] = SCHEMA_VERSION
     name: str = Field("experiment", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
@@ -194,6 +233,7 @@ class ExperimentConfig(Section):
     evaluation: EvaluationSection = Field(default_factory=EvaluationSection)
     tracking: TrackingSection = Field(default_factory=TrackingSection)
     multi_agent: Optional[MultiAgentSection] = None
+    external: Optional[ExternalSection] = None
     rllib: dict[str, dict[str, Any]] = Field(default_factory=dict)
     # The speed-ups that reach into Ray's and RLlib's internals (rlplatform/internals, docs/internals.md);
     # false: the run is plain RLlib. On a Ray release they were not verified on they switch themselves off.
@@ -268,11 +308,38 @@ def validate(data: dict[str, Any], source: str = "config") -> ExperimentConfig:
     for key in ("env_runners", "learners", "aggregators_per_learner"):
         if getattr(config.scale, key) > MAX_ACTORS:
             raise UserError(f"{source}: scale.{key} = {_show(getattr(config.scale, key))}: at most {MAX_ACTORS:,}")
+    _check_external(config, source)
     if config.scale.aggregators_per_learner and config.algorithm not in AGGREGATOR_ALGORITHMS:
         raise UserError(f"{source}: scale.aggregators_per_learner = {config.scale.aggregators_per_learner}: only "
                         f"{' and '.join(AGGREGATOR_ALGORITHMS)} use aggregator actors, not {config.algorithm} "
                         "(set it to 0)")
     return config
+
+
+def _check_external(config: ExperimentConfig, source: str) -> None:
+    """`env: external` and the `external` section go together, with what the external runners support."""
+    if (config.env == EXTERNAL_ENV) != (config.external is not None):
+        raise UserError(f"{source}: env: external needs the `external` section (the spaces), and the section needs env: external")
+    if config.external is None:
+        return
+    problems = [
+        f"algorithm {config.algorithm} (external simulators train {', '.join(EXTERNAL_ALGORITHMS)})"
+        if config.algorithm not in EXTERNAL_ALGORITHMS else None,
+        "multi_agent" if config.multi_agent is not None else None,
+        "model.use_lstm" if config.model.use_lstm else None,
+        "evaluation.interval (there is no env to evaluate in)" if config.evaluation.interval else None,
+        "scale.env_runners = 0 (each simulator connects to a remote runner)" if not config.scale.env_runners else None,
+        "external.action_space: a Discrete or 1-D Box" if config.external.action_space.type == "Box"
+        and len(config.external.action_space.shape or []) != 1 else None,
+        "external.observation_space: a 1-D Box (the simulators act with an MLP)"
+        if config.external.observation_space.type != "Box" or len(config.external.observation_space.shape or []) != 1 else None,
+    ]
+    problem = next((p for p in problems if p), None)
+    if problem:
+        raise UserError(f"{source}: env: external does not go with {problem}")
+    host = config.external.host
+    if host not in ("127.0.0.1", "localhost", "::1") and not host.startswith("127.") and not config.external.token_file:
+        raise UserError(f"{source}: external.host {host} is reachable from other machines: give external.token_file")
 
 
 def _deeper_than(data: Any, limit: int) -> Optional[str]:

@@ -60,7 +60,7 @@ def active(config: Any, local_instance: bool) -> list[str]:
     names = ["torch_seed", "connector_frames", "episode_return"]
     if local_instance:
         names.insert(0, "local_node")
-    if config.multi_agent is None:
+    if config.multi_agent is None and config.env != "external":  # an external run's runners are its own
         names += ["lean_env_runner", "packed_episodes", "columnar_fragments"]
     if numpy_policy_applies(config):
         names.append("slim_env_runner")
@@ -107,7 +107,7 @@ _ENV_RUNNER_KEYS_AGAINST_NUMPY_POLICY = {
 
 
 def numpy_policy_applies(config: Any) -> bool:
-    """Remote env runners may act with a numpy policy (internals/numpy_policy.py) and load no torch.
+    """Remote env runners may act with a numpy policy (client/numpy_policy.py) and load no torch.
 
     Decided here, on the driver, because a runner process that starts without torch cannot load it
     later: PPO, APPO or IMPALA with RLlib's default MLP module (no LSTM), remote CPU runners, no

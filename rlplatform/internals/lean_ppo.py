@@ -8,6 +8,10 @@ of `docs/scale.md`'s model. `LeanPPO` sends the weights and the step count with 
 instead, in one object put once per iteration: a runner starts every sample with exactly the state
 RLlib's two broadcasts would have given it, so sampling and learning are RLlib's.
 
+A round of requests that brings no env steps ends the sampling (the iteration learns on what came): RLlib's
+loop would ask again at once, which only happens with runners that wait on simulators outside Ray
+(`env: external`), whose next steps need the next update's weights.
+
 It applies (`lean_sampling_applies`) where the broadcasts carry nothing else: remote runners, no
 connector state merged from the runners (`merge_env_runner_states=False`, which the adapter sets
 unless the experiment adds connectors), steps counted as env steps, RLlib's broadcast of runner states on.
@@ -107,10 +111,14 @@ class LeanPPO(PPO):
             state = None  # a second round (a runner failed or timed out) samples on the state already sent
             if not results or self.env_runner_group.num_healthy_remote_workers() <= 0:
                 break
+            round_steps = 0
             for fragment, metrics in results:
                 episodes.extend(fragment)
                 runner_metrics.append(metrics)
-                steps += int(metrics.get(NUM_ENV_STEPS_SAMPLED, 0))
+                round_steps += int(metrics.get(NUM_ENV_STEPS_SAMPLED, 0))
+            steps += round_steps
+            if not round_steps:  # runners with nothing to give before the next update (simulators outside Ray)
+                break
         return episodes, runner_metrics
 
     def _module_state(self, modules: set) -> dict:

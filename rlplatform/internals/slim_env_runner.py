@@ -16,7 +16,7 @@ algorithm host have loaded RLlib (and torch) before they import this module, and
 (learners, aggregators) are not creating a SlimEnvRunner. Whether an experiment may use it is decided
 on the driver (`internals.numpy_policy_applies`): only then is this class the env runner class.
 
-In such a process (`TORCH_FREE`) the runner's module is a `NumpyPolicy` (internals/numpy_policy.py)
+In such a process (`TORCH_FREE`) the runner's module is a `NumpyPolicy` (client/numpy_policy.py)
 that takes the inference-only weights RLlib syncs, and the lean env runner's array path computes actions with it.
 RLlib's device lookup (`get_device`, which needs torch) answers "cpu" here, the env-to-module
 pipeline is not run at env resets (the array path never reads its output) and torch is not seeded.
@@ -68,8 +68,8 @@ TORCH_FREE = install_in_torch_free_worker()  # before the imports below: the fir
 import gymnasium as gym  # noqa: E402  (after the hook: everything below may load RLlib)
 from ray.rllib.env import single_agent_env_runner  # noqa: E402
 
+from rlplatform.client.numpy_policy import NumpyPolicy  # noqa: E402
 from rlplatform.internals.lean_env_runner import LeanEnvRunner  # noqa: E402
-from rlplatform.internals.numpy_policy import NumpyPolicy  # noqa: E402
 
 
 def _cpu_device(config: Any, num_gpus_requested: Any = 0) -> str:

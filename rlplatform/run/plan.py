@@ -46,7 +46,10 @@ def make_plan(resolved: ResolvedExperiment, resources: Resources, joined_cluster
     algorithm_config.check(config)
     layout_note = envs_note = None
     measured = None
-    if config.profile == "auto" and resize:  # a resumed run keeps the size it was started with
+    if config.external is not None and config.external.ports is None:
+        config = _with_external_ports(config)
+    # A resumed run keeps the size it was started with; an external run's size is its simulators'.
+    if config.profile == "auto" and resize and config.external is None:
         config = size_to_cluster(config, resources, resolved.explicit_keys)
         config, layout_note = layouts.apply_best_layout(config, resources.cpus, resources.gpus, resolved.given_keys)
         if layout_note is None:  # no cached layout for this machine and env: measure the env's step cost
@@ -77,6 +80,26 @@ def runs_algorithm_in_driver(config: ExperimentConfig, bundles: list[dict[str, f
                             "algorithm's actor places the run's actors (scale.placement)")
         return False
     return choice == "driver" or (not bundles[0].get("GPU", 0) and not config.scale.aggregators_per_learner)
+
+
+def _with_external_ports(config: ExperimentConfig) -> ExperimentConfig:
+    """The ports the external runners listen on, fixed once for the run (a resume keeps them): `external.port` and
+    the ones after it, or, where it is 0, ports free on this machine now."""
+    import socket
+
+    ext = config.external
+    assert ext is not None
+    count = config.scale.env_runners
+    if ext.port:
+        ports = list(range(ext.port, ext.port + count))
+    else:
+        sockets = [socket.create_server((ext.host, 0)) for _ in range(count)]
+        ports = [s.getsockname()[1] for s in sockets]
+        for s in sockets:
+            s.close()
+    if max(ports) > 65535:
+        raise UserError(f"external.port {ext.port} + {count} runners goes past port 65535")
+    return config.model_copy(update={"external": ext.model_copy(update={"ports": ports})})
 
 
 def _envs_choice(config: ExperimentConfig, resolved: ResolvedExperiment, resize: bool, layout_note: Optional[str],

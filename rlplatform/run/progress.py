@@ -34,8 +34,13 @@ def print_start(run_dir: Path, config: ExperimentConfig, resources: str) -> None
     gpu = f" on {config.hardware.gpus_per_learner:g} GPU each" if config.hardware.gpus_per_learner else ""
     sampling = (f"{scale.env_runners} env runner(s) x {scale.envs_per_runner} envs ({scale.vectorize})" if scale.env_runners
                 else f"sampling in the main process, {scale.envs_per_runner} envs ({scale.vectorize})")
+    if config.external is not None:
+        sampling = f"{scale.env_runners} simulator(s) outside Ray"
     stdout.print(f"[bold]rlplatform[/] {escape(f'{config.algorithm} on {config.env}: {sampling}, {learners}{gpu}; cluster: {resources}')}")
     say(f"run directory: {run_dir}")
+    if config.external is not None:
+        ports = ", ".join(map(str, config.external.ports or []))
+        say(f"simulators connect to {config.external.host} on port(s) {ports} (one each; {run_dir / 'external.json'})")
 
 
 def print_summary(run_dir: Path, reason: str, last: Optional[dict[str, Any]], checkpoint: Optional[Path], wall_s: float) -> None:

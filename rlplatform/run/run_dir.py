@@ -18,6 +18,7 @@ from rlplatform.errors import UserError
 
 CONFIG_FILE = "config.yaml"
 MANIFEST_FILE = "manifest.json"
+EXTERNAL_FILE = "external.json"
 WRITER_FILE = ".writer"
 
 
@@ -72,6 +73,19 @@ def new_run_dir(root: Path, experiment: str) -> Path:
 
 def write_config(run_dir: Path, config: ExperimentConfig) -> None:
     (run_dir / CONFIG_FILE).write_text(to_yaml(config))
+
+
+def write_external(run_dir: Path, config: ExperimentConfig) -> None:
+    """`external.json`: where an `env: external` run's simulators connect (docs/external.md)."""
+    from rlplatform.client.protocol import PROTOCOL
+
+    ext = config.external
+    if ext is None:
+        return
+    facts = {"host": ext.host, "ports": ext.ports, "protocol": PROTOCOL, "token_required": bool(ext.token_file),
+             "observation_space": ext.observation_space.model_dump(exclude_none=True),
+             "action_space": ext.action_space.model_dump(exclude_none=True)}
+    (run_dir / EXTERNAL_FILE).write_text(json.dumps(facts, indent=1))
 
 
 def command_facts() -> dict[str, Any]:
