@@ -211,14 +211,33 @@ def test_a_bad_client_gets_an_error_and_a_closed_connection_and_the_runner_serve
 
 
 def test_a_port_takes_one_simulator_at_a_time_and_the_next_after_it_leaves(runner):
+    idle = _raw(runner)  # connects and says nothing: holds no port
     first = _client(runner)
     second = _raw(runner)
+    second.sendall(protocol.pack(_ping()))
     assert "busy" in _refusal(second)
     first.close()
     time.sleep(0.3)
     again = _client(runner)
     assert again.weights_seq_no == 1
     again.close()
+    idle.close()
+
+
+def test_a_waiting_simulator_goes_on_with_unchanged_weights_when_the_learner_asks_again(runner):
+    """PPO asks again before an update (a round that came up short): the simulator, waiting for the next weights,
+    samples on with the ones it has, which are still the learner's."""
+    client = _client(runner)
+    record: list = []
+    player = threading.Thread(target=_play, args=(client, 64, record))
+    player.start()
+    assert sum(len(e) for e in runner.sample()) == 32  # the first batch; the client now waits
+    assert sum(len(e) for e in runner.sample()) == 32  # asked again, no update between: the client was let go
+    assert client.weights_seq_no == 1 and len(record) == 64  # the second batch sampled with the same weights
+    runner.set_state({"rl_module": runner.get_state()["rl_module"], "weights_seq_no": 2})
+    player.join(timeout=30)
+    assert not player.is_alive() and client.weights_seq_no == 2
+    client.close()
 
 
 # ---- training through simulator processes ---------------------------------------------------------------------
@@ -257,15 +276,17 @@ def _last_metrics(run_dir: Path) -> dict:
     return json.loads(lines[-1])
 
 
+APPO = ["algorithm=APPO", "training={lr: 0.001, gamma: 0.99, vf_loss_coeff: 0.05, entropy_coeff: 0.0, clip_param: 0.2, "
+        "use_kl_loss: false, grad_clip: null, train_batch_size_per_learner: 512, minibatch_size: 256, num_epochs: 1, "
+        "circular_buffer_num_batches: 4, circular_buffer_iterations_per_batch: 1, broadcast_interval: 1}",
+        "scale.rollout_fragment_length=64", "rllib.reporting={min_time_s_per_iteration: 1}"]
+
+
 @pytest.mark.slow
 @pytest.mark.learning
 @pytest.mark.parametrize("algorithm", ["PPO", "APPO"])
 def test_cartpole_stepped_by_two_simulator_processes_learns_to_475(tmp_path, algorithm):
-    overrides = ["stop.env_steps=400000"] if algorithm == "PPO" else [
-        "algorithm=APPO", "training={lr: 0.001, gamma: 0.99, vf_loss_coeff: 0.05, entropy_coeff: 0.0, clip_param: 0.2, "
-        "use_kl_loss: false, grad_clip: null, train_batch_size_per_learner: 512, minibatch_size: 256, num_epochs: 1, "
-        "circular_buffer_num_batches: 4, circular_buffer_iterations_per_batch: 1, broadcast_interval: 1}",
-        "scale.rollout_fragment_length=64", "rllib.reporting={min_time_s_per_iteration: 1}", "stop.env_steps=1500000"]
+    overrides = ["stop.env_steps=400000"] if algorithm == "PPO" else [*APPO, "stop.env_steps=1500000"]
     train, run_dir = _start_train(tmp_path, *overrides)
     simulators = [_simulator(run_dir, i) for i in range(2)]
     out = _finish(train, simulators, timeout=900)
@@ -291,3 +312,14 @@ def test_a_killed_simulator_loses_its_steps_only_and_one_that_reconnects_carries
     assert "stopped: iterations 12" in out, out
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert lines[-1]["iteration"] == 12 and lines[-1]["faults/healthy_env_runners"] == 2
+
+
+@pytest.mark.slow
+def test_an_appo_run_with_a_port_left_empty_trains_on_the_other_and_stops(tmp_path):
+    """A runner whose simulator never came (or went away) waits in `sample()`; the run trains on the other
+    and, at its end, tells the waiting runner to return, so that stopping does not hang."""
+    train, run_dir = _start_train(tmp_path, *APPO, "stop.iterations=6", "stop.return_mean=null")
+    only = _simulator(run_dir, 0)
+    out = _finish(train, [only], timeout=300)
+    assert "stopped: iterations 6" in out, out
+    assert _last_metrics(run_dir)["env_steps"] > 0

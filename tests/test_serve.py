@@ -60,6 +60,7 @@ def test_a_json_request_and_its_npy_twin_read_the_same():
 
 BAD = {
     "not json": (b"{nope", 400, "body"),
+    "JSON nested past Python's recursion": (b"[" * 100_000 + b"]" * 100_000, 400, "body"),
     "not an object": ([1, 2], 400, "body"),
     "no observations": ({"policy": "pi"}, 422, "observations"),
     "unknown field": ({"observations": [[0, 0, 0]], "greedy": True}, 422, "greedy"),
@@ -88,8 +89,14 @@ def test_a_bad_request_names_its_field(case):
     assert (caught.value.status, caught.value.field) == (status, field), caught.value.message
 
 
+def _npy_header_only(shape: tuple) -> bytes:
+    buffer = io.BytesIO()
+    np.lib.format.write_array_header_1_0(buffer, {"descr": "<f4", "fortran_order": False, "shape": shape})
+    return buffer.getvalue() + b"\x00" * 12
+
+
 def test_bad_binary_requests_and_a_body_too_large():
-    for body, query, field in ((b"\x93NUMPY garbage", {}, "body"), (_npy(np.zeros((1, 3))), {"stochastic": "maybe"}, "stochastic"),
+    for body, query, field in ((_npy_header_only((10**12, 3)), {}, "body"),(b"\x93NUMPY garbage", {}, "body"), (_npy(np.zeros((1, 3))), {"stochastic": "maybe"}, "stochastic"),
                                (_npy(np.zeros((1, 3), complex)), {}, "observations")):
         with pytest.raises(BadRequest) as caught:
             _parse(body, NPY_CONTENT_TYPE, query)
@@ -289,9 +296,18 @@ class Load:
         return self.replies
 
 
-def _replica_pids() -> list[int]:
-    out = subprocess.run(["pgrep", "-f", "ServeReplica:rlplatform:policy"], capture_output=True, text=True).stdout
-    return [int(p) for p in out.split()]
+def _replica_pids(server: Server) -> list[int]:
+    """This server's replica processes: descendants of its `serve` process (its private Ray instance's workers)."""
+    import psutil
+
+    found = []
+    for child in psutil.Process(server.process.pid).children(recursive=True):
+        try:
+            if "ServeReplica:rlplatform:policy" in " ".join(child.cmdline()):
+                found.append(child.pid)
+        except psutil.Error:  # gone meanwhile
+            continue
+    return found
 
 
 @pytest.mark.slow
@@ -324,13 +340,13 @@ def test_a_killed_replica_is_replaced_and_only_requests_in_flight_fail(trained, 
     server = Server(trained, tmp_path, "--replicas", "2")
     try:
         server.wait_ready()
-        assert len(_replica_pids()) == 2
+        assert len(_replica_pids(server)) == 2
         load = Load(server, clients=clients)
         time.sleep(3)
-        victim = _replica_pids()[0]
+        victim = _replica_pids(server)[0]
         subprocess.run(["kill", "-9", str(victim)], check=True)
         deadline = time.monotonic() + 120
-        while not (len(pids := _replica_pids()) == 2 and victim not in pids):
+        while not (len(pids := _replica_pids(server)) == 2 and victim not in pids):
             assert time.monotonic() < deadline, "the killed replica was not replaced"
             time.sleep(1)
         time.sleep(5)  # the new replica serves beside the survivor

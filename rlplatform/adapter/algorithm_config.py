@@ -302,6 +302,8 @@ def _multi_agent(algo_config, config: ExperimentConfig) -> None:
 
 def _external(algo_config: AlgorithmConfig, config: ExperimentConfig) -> None:
     """Env runners that listen for simulators outside Ray (adapter/external_runner.py, docs/external.md)."""
+    import secrets
+
     from rlplatform.adapter.external_runner import SETTINGS_KEY, ExternalEnvRunner, space_from_spec
 
     ext = config.external
@@ -322,7 +324,7 @@ def _external(algo_config: AlgorithmConfig, config: ExperimentConfig) -> None:
     }
     algo_config.environment(env_config={SETTINGS_KEY: {
         "host": ext.host, "ports": list(ext.ports or []), "token_file": ext.token_file,
-        "on_policy": config.algorithm == "PPO", "client_config": client_config}})
+        "on_policy": config.algorithm == "PPO", "client_config": client_config, "stop_key": secrets.token_hex(16)}})
 
 
 def record_episode(*, episode: Any, metrics_logger: Any, prev_episode_chunks: Sequence[Any] = (),

@@ -49,7 +49,10 @@ from rlplatform.adapter.algorithm_config import EPISODE_LENGTHS, EPISODE_RETURNS
 from rlplatform.client import protocol
 
 logger = logging.getLogger("rlplatform.external")
-SETTINGS_KEY = "rlplatform_external"  # env_config key of the runner's settings (ports, host, token file, ...)
+SETTINGS_KEY = "rlplatform_external"
+STOP = "STOP"  # from the run's own driver only (the run's stop key), never from a simulator
+HANDSHAKE_TIMEOUT_S = 10.0  # a connection must send PING within this
+MAX_OPEN_EPISODES = 10_000  # unfinished episodes whose earlier chunks' returns are kept  # env_config key of the runner's settings (ports, host, token file, ...)
 
 
 class ExternalEnvRunner(EnvRunner, Checkpointable):
@@ -62,6 +65,7 @@ class ExternalEnvRunner(EnvRunner, Checkpointable):
         self.max_message_bytes = int(settings.get("max_message_bytes", protocol.MAX_MESSAGE_BYTES))
         self._client_config = dict(settings.get("client_config") or {})
         self._token = _read_token(settings.get("token_file"))
+        self._stop_key: Optional[str] = settings.get("stop_key")
         self.metrics = MetricsLogger(stats_cls_lookup=config.stats_cls_lookup, root=False)
         self._changed = threading.Condition()
         self._module_state: Optional[dict[str, Any]] = None
@@ -70,6 +74,9 @@ class ExternalEnvRunner(EnvRunner, Checkpointable):
         self._chunks_before: dict[str, list[tuple[float, int]]] = defaultdict(list)  # episode id -> (return, length) sent
         self._active: Optional[socket.socket] = None  # the connected simulator's socket
         self._waiting_after: Optional[int] = None  # the connected client waits for weights newer than this
+        self._release_waiting = False  # let the waiting client go on with the weights it has
+        self._stopping = False
+        self.max_queued_steps = int(settings.get("max_queued_steps", 100_000))
         self._server: Optional[socket.socket] = None
         self.port: Optional[int] = None
         if self.worker_index > 0:  # the local runner (the algorithm's process) only holds the weights
@@ -89,17 +96,22 @@ class ExternalEnvRunner(EnvRunner, Checkpointable):
                 DEFAULT_MODULE_ID: (self.observation_space, self.action_space)}
 
     def sample(self, **kwargs: Any) -> list[SingleAgentEpisode]:
-        """The chunks the simulator has sent since the last call.
+        """The chunks the simulator has sent since the last call, waiting for them up to a bound.
 
-        Asynchronous algorithms: waits until there is one. On-policy (PPO): an empty list at once when the
-        simulator waits for weights newer than the ones set (nothing can come before the next update), or after
-        `sample_timeout_s` without a simulator: the actor must not block the next request, which brings them."""
+        On-policy (PPO): a simulator that waits for newer weights is let go on the ones it has (no update came
+        between, so what it samples next is still on-policy), and the wait ends before the driver's own
+        `sample_timeout_s`, so that a batch is not taken by a call whose answer the driver no longer reads.
+        Asynchronous algorithms: waits until a batch comes (IMPALA counts every reply as a fragment, so an empty
+        one would be trained as one), or the run's driver says the run ends (`release_waiting_runners`)."""
         with self._changed:
             if self.on_policy:
-                self._changed.wait_for(lambda: bool(self._received) or self._client_waits_for_weights(),
-                                       timeout=self.config.sample_timeout_s)
+                if not self._received and self._client_waits_for_weights():
+                    self._release_waiting = True
+                    self._changed.notify_all()
+                self._changed.wait_for(lambda: bool(self._received) or self._stopping,
+                                       timeout=0.8 * float(self.config.sample_timeout_s))
             else:
-                self._changed.wait_for(lambda: bool(self._received))
+                self._changed.wait_for(lambda: bool(self._received) or self._stopping)
             episodes, self._received = self._received, []
         self._count(episodes)
         return episodes
@@ -129,9 +141,22 @@ class ExternalEnvRunner(EnvRunner, Checkpointable):
             self._weights_seq_no = max(self._weights_seq_no + 1, int(state.get(WEIGHTS_SEQ_NO) or 0))
             self._changed.notify_all()
 
+    def _stop_waiting(self) -> None:
+        with self._changed:
+            self._stopping = True
+            self._changed.notify_all()
+
     def stop(self) -> None:
-        if self._server is not None:
-            self._server.close()
+        self._stop_waiting()
+        with self._changed:
+            active = self._active
+        for sock in (self._server, active):
+            if sock is not None:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked in accept() or recv()
+                except OSError:
+                    pass
+                sock.close()
 
     def get_ctor_args_and_kwargs(self) -> tuple[tuple, dict[str, Any]]:
         return (), {"config": self.config}
@@ -146,27 +171,32 @@ class ExternalEnvRunner(EnvRunner, Checkpointable):
 
     def _accept_loop(self) -> None:
         assert self._server is not None
-        while True:
+        while not self._stopping:
             try:
                 conn, address = self._server.accept()
             except OSError:  # closed by stop()
                 return
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if self._active is not None:
-                _refuse(conn, f"busy: another simulator is connected to port {self.port}; each port takes one")
-                continue
-            self._active = conn
             threading.Thread(target=self._serve, args=(conn, address), daemon=True, name="external-client").start()
 
     def _serve(self, conn: socket.socket, address: Any) -> None:
+        """One connection: the handshake (a connection that sends nothing holds no port), then its messages."""
         try:
+            conn.settimeout(HANDSHAKE_TIMEOUT_S)
             self._handshake(conn)
+            conn.settimeout(None)
+            _keepalive(conn)  # a simulator whose network went away silently frees the port within about a minute
+            with self._changed:
+                if self._active is not None:
+                    raise protocol.ProtocolError(f"busy: another simulator is connected to port {self.port}; each port takes one")
+                self._active = conn
+            protocol.send(conn, {"type": protocol.PONG, "protocol": protocol.PROTOCOL})
             while True:
                 kind, body = protocol.receive(conn, self.max_message_bytes)
                 self._answer(conn, kind, body)
         except protocol.PeerError:
             pass  # the client closed: its unsent steps are lost, the run goes on
-        except (protocol.ProtocolError, ValueError, KeyError, TypeError) as exc:
+        except (protocol.ProtocolError, ValueError, KeyError, TypeError, socket.timeout) as exc:
             self._release(conn)  # the next simulator may come while this one is told why
             _refuse(conn, str(exc) or type(exc).__name__)
         except Exception as exc:  # never let a client take the runner down
@@ -178,18 +208,22 @@ class ExternalEnvRunner(EnvRunner, Checkpointable):
             self._release(conn)
 
     def _release(self, conn: socket.socket) -> None:
-        if self._active is conn:
-            self._active = None
+        with self._changed:
+            if self._active is conn:
+                self._active = None
+                self._changed.notify_all()
 
     def _handshake(self, conn: socket.socket) -> None:
         kind, body = protocol.receive(conn, 64 * 1024)
+        if kind == STOP and self._stop_key and hmac.compare_digest(str(body.get("key") or "").encode(), self._stop_key.encode()):
+            self._stop_waiting()  # the run is ending: a sample() waiting for a simulator returns
+            raise protocol.PeerError("stopped")
         if kind != protocol.PING:
             raise protocol.ProtocolError(f"the first message must be PING, not {kind}")
         if body.get("protocol") != protocol.PROTOCOL:
             raise protocol.ProtocolError(f"protocol {body.get('protocol')!r} is not this run's {protocol.PROTOCOL!r}")
         if self._token is not None and not hmac.compare_digest(str(body.get("token") or "").encode(), self._token.encode()):
             raise protocol.ProtocolError("refused: this run needs its token (PING's `token`)")
-        protocol.send(conn, {"type": protocol.PONG, "protocol": protocol.PROTOCOL})
 
     def _answer(self, conn: socket.socket, kind: str, body: dict[str, Any]) -> None:
         if kind == protocol.GET_CONFIG:
@@ -199,6 +233,9 @@ class ExternalEnvRunner(EnvRunner, Checkpointable):
         elif kind in (protocol.EPISODES, protocol.EPISODES_AND_GET_STATE):
             episodes = [self._episode(chunk) for chunk in _list(body.get("episodes"), "episodes")]
             with self._changed:
+                if sum(len(e) for e in self._received) + sum(len(e) for e in episodes) > self.max_queued_steps:
+                    raise ValueError(f"over {self.max_queued_steps:,} steps wait for the learner: send EPISODES_AND_GET_STATE "
+                                     "and wait for its answer")
                 seq_no = self._weights_seq_no
                 self._received.extend(episodes)
                 self._changed.notify_all()
@@ -213,12 +250,13 @@ class ExternalEnvRunner(EnvRunner, Checkpointable):
     def _send_state(self, conn: socket.socket, after: int) -> None:
         """The module's weights, once there are weights newer than `after` (on-policy: the next update's)."""
         with self._changed:
-            self._waiting_after = after
+            self._waiting_after, self._release_waiting = after, False
             self._changed.notify_all()
             try:
-                self._changed.wait_for(lambda: self._module_state is not None and self._weights_seq_no > after)
+                self._changed.wait_for(lambda: self._module_state is not None and (
+                    self._weights_seq_no > after or self._release_waiting or self._stopping))
             finally:
-                self._waiting_after = None
+                self._waiting_after, self._release_waiting = None, False
             state, seq_no = self._module_state, self._weights_seq_no
         protocol.send(conn, {"type": protocol.SET_STATE, "weights": state, "weights_seq_no": seq_no})
 
@@ -243,10 +281,13 @@ class ExternalEnvRunner(EnvRunner, Checkpointable):
         if isinstance(self.action_space, gym.spaces.Discrete):
             if actions.dtype.kind not in "iu" or actions.ndim != 1 or actions.min() < 0 or actions.max() >= self.action_space.n:
                 raise ValueError(f"actions must be integers in [0, {self.action_space.n})")
-        elif tuple(actions.shape[1:]) != self.action_space.shape:
-            raise ValueError(f"actions of shape {list(actions.shape[1:])}; the space is {self.action_space}")
-        if not (np.all(np.isfinite(rewards)) and np.all(np.isfinite(logp))):
-            raise ValueError("rewards and log-probabilities must be finite")
+        elif tuple(actions.shape[1:]) != self.action_space.shape or not np.all(np.isfinite(actions)):
+            raise ValueError(f"actions of shape {list(actions.shape[1:])} (or not finite); the space is {self.action_space}")
+        width = self.action_space.n if isinstance(self.action_space, gym.spaces.Discrete) else 2 * self.action_space.shape[0]
+        if dist_inputs.shape != (steps, width):
+            raise ValueError(f"action_dist_inputs of shape {list(dist_inputs.shape)}: expected [{steps}, {width}]")
+        if not (np.all(np.isfinite(rewards)) and np.all(np.isfinite(logp)) and np.all(np.isfinite(dist_inputs))):
+            raise ValueError("rewards, log-probabilities and distribution inputs must be finite")
         terminated, truncated = bool(chunk.get("terminated")), bool(chunk.get("truncated"))
         episode = SingleAgentEpisode(
             id_=str(chunk.get("id") or ""), observations=list(obs), actions=list(actions), rewards=list(rewards),
@@ -272,6 +313,8 @@ class ExternalEnvRunner(EnvRunner, Checkpointable):
             ret, length = float(episode.get_return()), len(episode)
             if not episode.is_done:
                 self._chunks_before[episode.id_].append((ret, length))
+                while len(self._chunks_before) > MAX_OPEN_EPISODES:  # episodes whose simulator went away
+                    self._chunks_before.pop(next(iter(self._chunks_before)))
                 continue
             for before_ret, before_len in self._chunks_before.pop(episode.id_, []):
                 ret, length = ret + before_ret, length + before_len
@@ -279,6 +322,20 @@ class ExternalEnvRunner(EnvRunner, Checkpointable):
             log(EPISODE_LENGTHS, length, reduce="item_series")
             log(EPISODE_RETURN_MEAN, ret, window=window)
             log(EPISODE_LEN_MEAN, length, window=window)
+
+
+def release_waiting_runners(algo_config: Any) -> None:
+    """Before an external run's algorithm stops: tell each runner over its own port that the run ends, so that a
+    `sample()` waiting for a simulator returns and the runner takes RLlib's `stop()` (queued behind it otherwise)."""
+    settings = (algo_config.env_config or {}).get(SETTINGS_KEY)
+    if not settings or not settings.get("stop_key"):
+        return
+    for port in settings.get("ports") or []:
+        try:
+            with socket.create_connection((settings.get("host", "127.0.0.1"), int(port)), timeout=2) as sock:
+                protocol.send(sock, {"type": STOP, "key": settings["stop_key"]})
+        except OSError:  # a runner already gone
+            continue
 
 
 def space_from_spec(spec: dict[str, Any]) -> gym.Space:
@@ -309,6 +366,13 @@ def _read_token(path: Any) -> Optional[str]:
         return None
     with open(path) as f:
         return f.read().strip() or None
+
+
+def _keepalive(conn: socket.socket) -> None:
+    conn.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for option, value in (("TCP_KEEPIDLE", 30), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 3)):
+        if hasattr(socket, option):  # Linux; other systems keep their defaults
+            conn.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
 
 
 def _refuse(conn: socket.socket, why: str) -> None:

@@ -163,17 +163,33 @@ def _serve(bundle: Any, args: argparse.Namespace, work: Path, token: Optional[st
                     f"http://{args.host}:{args.port}/v1/act; GET /v1/policy describes it; Ctrl-C stops")
         try:
             while not stop.wait(args.poll if args.follow else None):
-                newer = _newer_checkpoint(args, bundle.version, work)
-                if newer is not None:
-                    bundle = _bundle(args, token, *newer)
-                    deploy(bundle)
-                    console.say(f"now serving {_version_line(bundle.version)}")
+                bundle = _follow(args, bundle, work, token, deploy)
         except KeyboardInterrupt:
             pass
         serve.shutdown()
     finally:
         shutdown()
     return 0
+
+
+def _follow(args: argparse.Namespace, bundle: Any, work: Path, token: Optional[str], deploy: Any) -> Any:
+    """With --follow: the bundle served after this look (a newer checkpoint rolled out, or the same one)."""
+    import shutil
+
+    newer = _newer_checkpoint(args, bundle.version, work)
+    if newer is None:
+        return bundle
+    try:
+        candidate = _bundle(args, token, *newer)
+        deploy(candidate)
+    except Exception as exc:  # a failed rollout leaves the running version serving
+        print(f"warning: still serving {_version_line(bundle.version)}: the new version did not deploy: "
+              f"{type(exc).__name__}: {exc}", file=sys.stderr)
+        return bundle
+    finally:
+        shutil.rmtree(next(iter(newer[0].values())).parent, ignore_errors=True)  # the bytes are in the bundle now
+    console.say(f"now serving {_version_line(candidate.version)}")
+    return candidate
 
 
 def _newer_checkpoint(args: argparse.Namespace, version: dict[str, Any], work: Path) -> Optional[tuple[dict[str, Path], dict[str, Any]]]:
@@ -193,7 +209,7 @@ def _newer_checkpoint(args: argparse.Namespace, version: dict[str, Any], work: P
         if str(info.path.resolve()) == version.get("checkpoint"):
             return None
         return _export_checkpoint(info, work / info.path.name)
-    except (UserError, OSError) as exc:
+    except Exception as exc:  # a checkpoint being written or removed meanwhile; the next look tries again
         print(f"warning: still serving {_version_line(version)}: {exc}", file=sys.stderr)
         return None
 

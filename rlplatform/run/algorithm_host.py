@@ -83,6 +83,9 @@ class AlgorithmHost:
         return ray.get_runtime_context().get_node_id()
 
     def stop(self) -> None:
+        from rlplatform.adapter.external_runner import release_waiting_runners
+
+        release_waiting_runners(self.algo.config)  # an `env: external` run's runners may wait for a simulator
         self.algo.stop()
 
 

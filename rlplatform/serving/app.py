@@ -103,6 +103,12 @@ class PolicyServer:
             if path == "/v1/policy" and request.method == "GET":
                 return JSONResponse(self.bundle.describe())
             if path == "/v1/act" and request.method == "POST":
+                declared = request.headers.get("content-length", "0")
+                if declared.isdigit() and int(declared) > self.bundle.max_body_bytes:
+                    async for _ in request.stream():  # read away, not kept: the client gets the answer, not a reset
+                        pass
+                    raise BadRequest(413, "body", f"the body is {int(declared):,} bytes; at most "
+                                     f"{self.bundle.max_body_bytes:,} are taken")
                 act = parse_act(await request.body(), request.headers.get("content-type", ""), request.query_params,
                                 self._specs, self.bundle.default_policy, self.bundle.max_body_bytes)
                 if (act.policy, MODES[act.stochastic]) not in self._models:

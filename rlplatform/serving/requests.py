@@ -93,7 +93,7 @@ def observations(raw: Any, spec: ObservationSpec, max_batch: int = DEFAULT_MAX_B
     """A batch of observations as the policy's dtype, after every check of the module's text."""
     try:
         array = np.asarray(raw)
-    except (ValueError, TypeError):  # ragged nesting
+    except (ValueError, TypeError, RecursionError):  # ragged or absurdly deep nesting
         raise BadRequest(422, "observations", f"not a regular array: every observation must have shape {list(spec.shape)}") from None
     if array.dtype == object or array.dtype.kind not in "biuf":
         kind = "ragged or mixed" if array.dtype == object else f"of {array.dtype}"
@@ -134,15 +134,25 @@ def _json_object(body: bytes) -> dict[str, Any]:
         value = json.loads(body)
     except (ValueError, UnicodeDecodeError) as exc:
         raise BadRequest(400, "body", f"not JSON: {exc}") from None
+    except RecursionError:
+        raise BadRequest(400, "body", "JSON nested too deeply") from None
     if not isinstance(value, dict):
         raise BadRequest(400, "body", f"must be a JSON object, not {type(value).__name__}")
     return value
 
 
 def _npy(body: bytes) -> np.ndarray:
+    """The array, after its header's shape and dtype are checked against the bytes that came (no allocation first)."""
+    fp = io.BytesIO(body)
     try:
-        return np.load(io.BytesIO(body), allow_pickle=False)
-    except (ValueError, OSError, EOFError) as exc:
+        version = np.lib.format.read_magic(fp)
+        read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        shape, _, dtype = read_header(fp)
+        if int(np.prod(shape, dtype=np.int64)) * dtype.itemsize > len(body):
+            raise ValueError(f"its header declares shape {list(shape)} of {dtype}, more than the {len(body):,} bytes sent")
+        fp.seek(0)
+        return np.load(fp, allow_pickle=False)
+    except (ValueError, OSError, EOFError, MemoryError) as exc:
         raise BadRequest(400, "body", f"not a .npy array: {exc}") from None
 
 
