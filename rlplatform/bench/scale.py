@@ -261,7 +261,9 @@ def process_figures(samples: list[dict[str, Any]], window: tuple[float, float], 
         if t1 > t0:
             role = last["role"] if last["role"] in SAMPLED_ROLES else "ray"
             cpu[role] = cpu.get(role, 0.0) + 100 * (last["cpu_s"] - first["cpu_s"]) / (t1 - t0)
-    last = {pid: series[-1][1] for pid, series in seen.items()}
+    # Each runner's last reading in the window that has its memory (on a loaded host one sample may miss it).
+    last = {pid: next((e for _, e in reversed(series) if e["role"] == "env runner" and "uss" in e), series[-1][1])
+            for pid, series in seen.items()}
     runners = [e for e in last.values() if e["role"] == "env runner" and "uss" in e]
     mb = 2**20
     return {"cpu_percent": cpu or None, "runner_processes": len(runners),
