@@ -8,7 +8,6 @@ application listens on 127.0.0.1 unless told otherwise; bound wider, it takes a 
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import json
 import logging
 import os
@@ -20,6 +19,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from rlplatform import console
+from rlplatform.config.schema import is_loopback
 from rlplatform.errors import UserError
 from rlplatform.run.run_dir import CONFIG_FILE
 
@@ -91,17 +91,8 @@ def _check_options(args: argparse.Namespace, token: Optional[str]) -> None:
         raise UserError(f"--follow takes a run directory (one with {CONFIG_FILE}), not {args.target}")
     if args.poll <= 0:
         raise UserError(f"--poll must be above 0, not {args.poll}")
-    if not _loopback(args.host) and token is None:
+    if not is_loopback(args.host) and token is None:
         raise UserError(f"--host {args.host} is reachable from other machines: give a token (--token-file or ${TOKEN_ENV})")
-
-
-def _loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _exports(target: Path, which: str, work: Path) -> tuple[dict[str, Path], dict[str, Any]]:

@@ -316,6 +316,18 @@ def validate(data: dict[str, Any], source: str = "config") -> ExperimentConfig:
     return config
 
 
+def is_loopback(host: str) -> bool:
+    """An address only this machine can reach (`localhost`, 127.0.0.0/8, ::1): listening there needs no token."""
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: reachable from elsewhere as far as we can tell
+        return False
+
+
 def _check_external(config: ExperimentConfig, source: str) -> None:
     """`env: external` and the `external` section go together, with what the external runners support."""
     if (config.env == EXTERNAL_ENV) != (config.external is not None):
@@ -338,7 +350,7 @@ def _check_external(config: ExperimentConfig, source: str) -> None:
     if problem:
         raise UserError(f"{source}: env: external does not go with {problem}")
     host = config.external.host
-    if host not in ("127.0.0.1", "localhost", "::1") and not host.startswith("127.") and not config.external.token_file:
+    if not is_loopback(host) and not config.external.token_file:
         raise UserError(f"{source}: external.host {host} is reachable from other machines: give external.token_file")
 
 
