@@ -4,6 +4,7 @@ Every verb runs the real thing: real RLlib env runners, real `train` processes o
 """
 
 import json
+import math
 import os
 import shutil
 import time
@@ -246,8 +247,11 @@ def test_gpu_preset_without_a_gpu_learner_measures_the_cpu_baseline(tmp_path):
 @pytest.mark.slow
 @pytest.mark.cluster
 def test_scale_measures_waiting_runners_over_a_loopback_node_and_fits_the_cost_model(tmp_path):
+    # Through relays (one per runner here) and with a remote learner, as the cluster model's points are measured.
+    relays = ["--set", "scale.runners_per_relay=1", "--set", "scale.learners=1", "--set", "hardware.cpus_per_learner=0.25",
+              "--set", "hardware.driver_cpus=0.25"]
     result = run_cli("bench", "scale", "--runners", "2", "4", "--nodes", "2", "--node-cpus", "2", "--iterations", "2",
-                     "--fragments", "10", "--wait-ms", "50", "--interval", "1", "-o", tmp_path, timeout=600)
+                     "--fragments", "10", "--wait-ms", "50", "--interval", "1", *relays, "-o", tmp_path, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     (path,) = tmp_path.glob("scale-costly-sim-ppo-*/scale.json")
     assert (path.parent / "scale.png").is_file()
@@ -260,20 +264,31 @@ def test_scale_measures_waiting_runners_over_a_loopback_node_and_fits_the_cost_m
         assert 0.3 < point["of_ideal"] <= 1.05, point  # a waiting env cannot step faster than its clock
         assert point["env_steps_per_iteration"] == point["runners"] * 10
         assert point["sample_s"] >= point["env_time_s"] * 0.95 and point["learn_s"] > 0 and point["sync_weights_s"] > 0
-        assert point["broadcast_s"] >= point["sync_weights_s"] and point["object_store_mb_per_iteration"] > 0
+        assert point["broadcast_s"] >= point["sync_weights_s"] and point["object_store_mb_per_iteration"] >= 0
         assert point["runner_processes"] == point["runners"] and "worker 1" in point["runner_nodes"]
         assert 0 < point["runner_uss_mb"] < point["runner_rss_mb"]
         assert len(point["runner_memory"]) == point["runners"]  # every runner's own RSS and USS
         assert all(0 < r["uss_mb"] < r["rss_mb"] for r in point["runner_memory"])
-        assert {"driver", "algorithm + local learner", "env runner", "ray"} <= set(point["cpu_percent"]), point["cpu_percent"]
+        assert {"driver", "algorithm + local learner", "env runner", "relay", "learner", "ray"} <= set(point["cpu_percent"]), point
+        assert (point["relays"], point["learners"]) == (point["runners"], 1)
+        assert all(v > 0 for v in point["cpu_s_per_iteration"].values()), point["cpu_s_per_iteration"]
         assert 0 < point["startup_first_sample_s"] < 300
         # Every iteration's own times (RLlib smooths its timers; the run's tags must not be smoothed):
         (metrics,) = Path(point["run_dir"]).glob("metrics.jsonl")
         for row in map(json.loads, metrics.read_text().splitlines()):
             assert row["time/sample_s"] + row["time/learn_s"] <= row["time/iteration_s"] + 0.01, row
+    # The stores' counters are read once per iteration: with 2 iterations of small objects one point may see no growth.
+    assert max(point["object_store_mb_per_iteration"] for point in data["points"]) > 0
     assert "gather s" in result.stdout and "runner USS MB" in result.stdout
     fit = run_cli("bench", "scale", "--fit", path, "-o", tmp_path)
     assert fit.returncode == 0, fit.stdout + fit.stderr
     model = json.loads((tmp_path / "scale-fit.json").read_text())
     assert model["points"] == 2 and [r["runners"] for r in model["extrapolation"]] == [256, 1000]
     assert "d: per MB per runner (s)" in model["left_out"]  # one model: nothing to tell the broadcast's cost apart
+    assert "2 needed" in model["cluster"]["direct"]["left_out"]
+    cluster = model["cluster"]["relays"]  # as many relays as runners: their costs cannot be told apart
+    assert cluster["points"] == 2 and cluster["measured_runners_per_relay"] == [1]
+    assert cluster["relay"]["coefficients"]["e: per relay (s)"] > 0
+    assert [r["runners"] for r in cluster["extrapolation"]] == [256, 1000]
+    assert all(0 < r["sync_of_ideal"] < 1 and r["relays"] == math.ceil(r["runners"] / 32) for r in cluster["extrapolation"])
+    assert "cluster model" in fit.stdout

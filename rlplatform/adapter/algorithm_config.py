@@ -443,6 +443,8 @@ def build_algorithm_config(config: ExperimentConfig,
         )
     if speedups and not _custom_connectors(config):
         algo_config.env_runners(merge_env_runner_states=False)
+    if speedups:  # Tune's utilization thread in the algorithm's process: the run's system panel reads the machine
+        algo_config.debugging(log_sys_usage=False)
     if speedups and config.algorithm in ASYNCHRONOUS_ALGORITHMS and "timeout_s_sampler_manager" not in config.training:
         algo_config.training(timeout_s_sampler_manager=SAMPLER_WAIT_S)
     try:

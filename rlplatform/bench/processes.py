@@ -38,6 +38,7 @@ ROLES = {  # Ray's process title of an actor is "ray::<ClassName>[.method]"
     "MultiAgentEnvRunner": "env runner",
     "Learner": "learner",
     "AggregatorActor": "aggregator",
+    "SampleRelay": "relay",
     "_WrappedExecutable": "learner",  # RLlib's LearnerGroup runs remote learners in Ray Train's worker actors
     "NodeProbe": "system monitor",
     "DashboardAgent": "ray dashboard agent",

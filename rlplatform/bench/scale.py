@@ -45,6 +45,7 @@ from rlplatform.bench.training_runs import (
     train_command,
     write_json,
 )
+from rlplatform.config.experiment import resolve_experiment
 from rlplatform.config.schema import ASYNCHRONOUS_ALGORITHMS
 from rlplatform.errors import UserError
 
@@ -52,7 +53,7 @@ DEFAULT_EXPERIMENT = Path("experiments/costly_sim_ppo.yaml")
 SCALE_ENV = "rlplatform/CostlySim-v0"
 LARGE_HIDDEN = [1536, 1536]  # the policy path alone (encoder + logits) is 2.4M parameters, 9.5 MB of float32
 OBS_DIM, N_ACTIONS = 3, 3  # CostlySim's observation and action sizes
-SAMPLED_ROLES = ("driver", "algorithm + local learner", "env runner", "learner")
+SAMPLED_ROLES = ("driver", "algorithm + local learner", "env runner", "learner", "relay")
 
 
 @dataclass(frozen=True)
@@ -97,7 +98,6 @@ def run(args: argparse.Namespace) -> int:
     if args.experiment is None:
         args.experiment = DEFAULT_EXPERIMENT
     from rlplatform.adapter.algorithm_config import check
-    from rlplatform.config.experiment import resolve_experiment
 
     base = resolve_experiment(args.experiment, args.overrides, args.profile).config
     nodes = [args.node_cpus] * args.nodes if args.nodes else [float(_host_cpus())]  # head first
@@ -202,6 +202,10 @@ def measure_point(args: argparse.Namespace, base, point: Point, runner_cpus: flo
                                  asynchronous=base.algorithm in ASYNCHRONOUS_ALGORITHMS))
     window = (run_.metrics[0]["wall_time_s"], measured[-1]["wall_time_s"])
     row.update(process_figures(samples, window, args.interval))
+    row["cpu_s_per_iteration"] = {role: pct / 100 * (window[1] - window[0]) / len(measured)
+                                  for role, pct in (row["cpu_percent"] or {}).items()}
+    scale = resolve_experiment(args.experiment, [*args.overrides, *overrides], args.profile).config.scale
+    row.update(learners=scale.learners, runners_per_relay=scale.runners_per_relay)
     row.update({f"startup_{k}": v for k, v in (run_.manifest.get("startup") or {}).items()})
     return row
 
@@ -267,6 +271,7 @@ def process_figures(samples: list[dict[str, Any]], window: tuple[float, float], 
     runners = [e for e in last.values() if e["role"] == "env runner" and "uss" in e]
     mb = 2**20
     return {"cpu_percent": cpu or None, "runner_processes": len(runners),
+            "relays": sum(1 for series in seen.values() if series[-1][1]["role"] == "relay"),
             "runner_memory": [{"pid": int(pid), "node": e["node"], "rss_mb": e["rss"] / mb, "uss_mb": e["uss"] / mb}
                               for pid, e in last.items() if e in runners],
             "runner_rss_mb": median([e["rss"] / mb for e in runners]), "runner_uss_mb": median([e["uss"] / mb for e in runners]),
@@ -304,8 +309,8 @@ def print_table(result: dict[str, Any]) -> None:
     for column in time_columns:
         table.add_column(column, justify="right")
     usage = Table(title="per iteration: object-store traffic; CPU (% of a core) over the measured iterations; runner memory")
-    usage_columns = ("runners", "model", "store MB", "CPU driver", "algorithm", "runners", "ray", "runner RSS MB",
-                     "runner USS MB", "first batch s")
+    usage_columns = ("runners", "model", "store MB", "CPU driver", "algorithm", "runners", "relays", "learner", "ray",
+                     "runner RSS MB", "runner USS MB", "first batch s")
     for column in usage_columns:
         usage.add_column(column, justify="right")
     for r in result["points"]:
@@ -319,7 +324,7 @@ def print_table(result: dict[str, Any]) -> None:
             _fmt(r["weights_apply_s"], ".3f"), _fmt(r["other_s"], ".2f"))
         cpu = r.get("cpu_percent") or {}
         usage.add_row(*name, _fmt(r["object_store_mb_per_iteration"], ".2f"),
-                      *(_fmt(cpu.get(k), ".0f") for k in ("driver", "algorithm + local learner", "env runner", "ray")),
+                      *(_fmt(cpu.get(k), ".0f") for k in ("driver", "algorithm + local learner", "env runner", "relay", "learner", "ray")),
                       _fmt(r.get("runner_rss_mb"), ".0f"), _fmt(r.get("runner_uss_mb"), ".0f"),
                       _fmt(r.get("startup_first_sample_s"), ".1f"))
     # Piped into a file, rich would squeeze the columns into 80 characters.

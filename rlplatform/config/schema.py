@@ -78,6 +78,9 @@ class ScaleSection(Section):
     # so the learners get ready train batches; max(learners, 1) x this many in all (RLlib's
     # num_aggregator_actors_per_learner). 0: the learners do it themselves.
     aggregators_per_learner: int = Field(0, ge=0)
+    # PPO with more remote runners than this: the sample requests go through relay actors, one per group of at most
+    # this many runners on a node, and the driver handles one request per relay (internals/sample_relay.py). 0: never.
+    runners_per_relay: int = Field(32, ge=0)
     placement: Literal["pack", "spread", "strict_pack", "strict_spread"] = "pack"
     # Where the Algorithm (RLlib's training_step, and a local learner) runs: "actor", an actor in the run's placement
     # group; "driver", the `train` process itself (a private local instance only); "auto": the driver on a private

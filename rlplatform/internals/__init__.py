@@ -68,6 +68,8 @@ def active(config: Any, local_instance: bool) -> list[str]:
         names.append("lean_learner")
     if _lean_ppo_expected(config):
         names.append("lean_ppo_sampling")
+        if 0 < config.scale.runners_per_relay < config.scale.env_runners:
+            names.append("sample_relays")
     if lean_off_policy_applies(config):
         names += ["lean_off_policy", "flat_replay_buffer"]
     return names
@@ -211,7 +213,7 @@ def use_lean_ppo_where_it_applies(config: Any, algo_config: Any) -> None:
     from rlplatform.internals.lean_ppo import lean_sampling_applies, use_lean_ppo
 
     if _lean_ppo_expected(config) and lean_sampling_applies(algo_config):
-        use_lean_ppo(algo_config)
+        use_lean_ppo(algo_config, config.scale.runners_per_relay)
 
 
 def use_lean_off_policy(algo_config: Any) -> None:
