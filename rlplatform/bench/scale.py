@@ -204,10 +204,27 @@ def measure_point(args: argparse.Namespace, base, point: Point, runner_cpus: flo
     row.update(process_figures(samples, window, args.interval))
     row["cpu_s_per_iteration"] = {role: pct / 100 * (window[1] - window[0]) / len(measured)
                                   for role, pct in (row["cpu_percent"] or {}).items()}
-    scale = resolve_experiment(args.experiment, [*args.overrides, *overrides], args.profile).config.scale
-    row.update(learners=scale.learners, runners_per_relay=scale.runners_per_relay)
+    config = resolve_experiment(args.experiment, [*args.overrides, *overrides], args.profile).config
+    row.update(learners=config.scale.learners, runners_per_relay=config.scale.runners_per_relay,
+               relays=relay_count(config, row["runner_memory"]))
     row.update({f"startup_{k}": v for k, v in (run_.manifest.get("startup") or {}).items()})
     return row
+
+
+def relay_count(config, runners: list[dict[str, Any]]) -> int:
+    """The relays `LeanPPO` builds (internals/lean_ppo.py): where the run uses them, one per group of at most
+    `runners_per_relay` runners on a node (the runners' nodes as read from their processes)."""
+    import math
+
+    from rlplatform.adapter import speedups
+
+    gated = speedups.gated(config)
+    if "sample_relays" not in speedups.manifest_record(gated.speedups, gated, local_instance=True)["active"]:
+        return 0
+    per_node: dict[str, int] = {}
+    for runner in runners:
+        per_node[runner["node"]] = per_node.get(runner["node"], 0) + 1
+    return sum(math.ceil(n / config.scale.runners_per_relay) for n in per_node.values())
 
 
 def iteration_figures(measured: list[dict[str, Any]], env_time_s: float, ideal: float, asynchronous: bool = False) -> dict[str, Any]:
@@ -271,7 +288,7 @@ def process_figures(samples: list[dict[str, Any]], window: tuple[float, float], 
     runners = [e for e in last.values() if e["role"] == "env runner" and "uss" in e]
     mb = 2**20
     return {"cpu_percent": cpu or None, "runner_processes": len(runners),
-            "relays": sum(1 for series in seen.values() if series[-1][1]["role"] == "relay"),
+            "relay_processes": sum(1 for series in seen.values() if series[-1][1]["role"] == "relay"),
             "runner_memory": [{"pid": int(pid), "node": e["node"], "rss_mb": e["rss"] / mb, "uss_mb": e["uss"] / mb}
                               for pid, e in last.items() if e in runners],
             "runner_rss_mb": median([e["rss"] / mb for e in runners]), "runner_uss_mb": median([e["uss"] / mb for e in runners]),

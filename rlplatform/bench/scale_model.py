@@ -116,7 +116,10 @@ def least_squares(columns: list[list[float]], observed: list[float], terms: tupl
 
     y = np.array(observed)
     n = len(terms)
-    active = [i for i in range(n) if _varies_apart(columns, i)]
+    active: list[int] = []
+    for i in range(n):
+        if _varies_apart([columns[j] for j in active], columns[i]):
+            active.append(i)
     reasons = {i: "the points cannot tell it apart" for i in range(n) if i not in active}
     while True:
         x = np.array([columns[i] for i in active]).T
@@ -191,14 +194,14 @@ def predict_cluster(model: dict[str, Any], runners: int, fragment: int, wait_ms:
             "sync_of_ideal": env_time / (env_time + driver + parallel)}
 
 
-def _varies_apart(columns: list[list[float]], i: int) -> bool:
-    """Column i adds information to the columns before it (its values are not a multiple of one of them)."""
+def _varies_apart(kept: list[list[float]], column: list[float]) -> bool:
+    """The column adds information to the columns kept before it (it is not a combination of them); the first one is
+    always kept."""
     import numpy as np
 
-    if i == 0:
+    if not kept:
         return True
-    x = np.array(columns[: i + 1]).T
-    return np.linalg.matrix_rank(x) == i + 1
+    return bool(np.linalg.matrix_rank(np.array([*kept, column]).T) == len(kept) + 1)
 
 
 def predict(coefficients: dict[str, float], runners: int, fragment: int, policy_mb: float) -> float:
@@ -249,6 +252,7 @@ def _fmt(value: Optional[float]) -> str:
 
 
 def print_cluster(cluster: dict[str, Any]) -> None:
+    from rich.console import Console
     from rich.table import Table
 
     table = Table(title="cluster model: the driver's CPU in series, relays and runners on cores of their own (learning apart)")
@@ -268,4 +272,5 @@ def print_cluster(cluster: dict[str, Any]) -> None:
                           f"{e * 1e3:.1f} + {f * 1e3:.2f} + {g * 1e6:.1f}", f"{u * 1e3:.1f} + {v * 1e6:.0f}", str(row["runners"]),
                           str(row["fragment"]), str(row["relays"]), f"{row['driver_s']:.3f}", f"{row['parallel_s']:.3f}",
                           f"{row['sync_of_ideal']:.0%}")
-    console.stdout.print(table)
+    # Piped into a file, rich would squeeze the columns into 80 characters.
+    (console.stdout if console.stdout.is_terminal else Console(highlight=False, width=170)).print(table)
