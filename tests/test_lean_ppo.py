@@ -111,6 +111,12 @@ def test_a_killed_relay_is_replaced_and_its_runners_come_back(local_ray):
         assert algo.env_runner_group.num_remote_worker_restarts() == 2  # out of service, back after RLlib's probe
         with pytest.raises(ray.exceptions.RayActorError):
             ray.get(first.sample.remote([None], [], 1.0), timeout=30)
+        for runner_id in (1, 2, 3):  # none healthy: a round brings nothing, as RLlib's foreach_env_runner
+            algo.env_runner_group._worker_manager.set_actor_state(runner_id, healthy=False)
+        assert algo._sample_through_relays(None, 2) == ([], [])
+        before = steps[-1]
+        assert algo.train()[ENV_RUNNER_RESULTS][NUM_ENV_STEPS_SAMPLED_LIFETIME] >= before  # restored by RLlib's probe
+        assert algo.train()[ENV_RUNNER_RESULTS][NUM_ENV_STEPS_SAMPLED_LIFETIME] > before
     finally:
         algo.stop()
 

@@ -1,9 +1,11 @@
 """A run's remote learners: where they run, and whether they hold the same weights.
 
 Several learners train one policy by all-reducing their gradients (NCCL on GPUs, Gloo on CPUs) every
-step; after the same steps each must hold the same weights, bit for bit. `weight_digests` reads a digest
-of each learner's module once they stop changing: APPO and IMPALA learners train in a thread of their
-own, so a learner may still be working through queued batches when training has stopped.
+step; after the same steps each must hold the same trained weights, bit for bit. `weight_digests` reads a
+digest of each learner's trained parameters once they stop changing: APPO and IMPALA learners train in a
+thread of their own, so a learner may still be working through queued batches when training has stopped.
+Target networks (APPO's old policy) are left out: nothing all-reduces them, and each learner copies its
+main network into them on its own count of trained steps, which its own shards of the batches make.
 """
 
 from __future__ import annotations
@@ -52,9 +54,11 @@ def _node_id(_learner: Any) -> str:
 
 
 def _digest(learner: Any) -> str:
+    """The trained parameters (those the all-reduce keeps equal), by name."""
     sha = hashlib.sha256()
     for module_id in sorted(learner.module.keys()):
-        for name, tensor in sorted(learner.module[module_id].state_dict().items()):
-            sha.update(f"{module_id}/{name}".encode())
-            sha.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+        for name, tensor in sorted(learner.module[module_id].named_parameters()):
+            if tensor.requires_grad:
+                sha.update(f"{module_id}/{name}".encode())
+                sha.update(tensor.detach().cpu().contiguous().numpy().tobytes())
     return sha.hexdigest()

@@ -153,6 +153,8 @@ class LeanPPO(PPO):
         timeout = self.config.sample_timeout_s
         asked = [(relay, [i for i in ids if i in healthy]) for relay, ids in self._relays_for_runners(relay_size)]
         calls = {relay.sample.remote([state], ids, timeout): (relay, ids) for relay, ids in asked if ids}
+        if not calls:  # no healthy runner: nothing this round, as RLlib's `foreach_env_runner` gives nothing
+            return [], []
         ready = set(ray.wait(list(calls), num_returns=len(calls), fetch_local=True,
                              timeout=None if timeout is None else timeout + RELAY_MARGIN_S)[0])
         episodes: list[ray.ObjectRef] = []
