@@ -70,6 +70,19 @@ def test_bytes_that_break_the_protocol_are_named(raw, fragment):
         protocol.receive(b, max_bytes=1000)
 
 
+def test_free_ports_for_the_runners_come_from_outside_the_ranges_other_processes_draw_from():
+    from rlplatform.run import plan
+
+    low, high = plan._ephemeral_ports()
+    ports = plan._listen_ports("127.0.0.1", 4)
+    assert len(set(ports)) == 4
+    for port in ports:
+        assert not low <= port <= high and not plan.RAY_WORKER_PORTS[0] <= port <= plan.RAY_WORKER_PORTS[1], port
+        socket.create_server(("127.0.0.1", port)).close()  # free now
+    with socket.create_server(("127.0.0.1", ports[0])):  # a port taken now is not handed out
+        assert ports[0] not in plan._listen_ports("127.0.0.1", 1)
+
+
 def test_an_error_message_and_a_closed_connection_reach_the_caller():
     a, b = _pipe()
     protocol.send(a, {"type": protocol.ERROR, "error": "refused: token"})

@@ -20,7 +20,7 @@ from itertools import chain
 from typing import Any, Optional
 
 import ray
-from ray.exceptions import GetTimeoutError, RayError
+from ray.exceptions import RayError
 
 # (runner id, its metrics, error text): one per runner that answered in time.
 RunnerReply = tuple[int, Optional[dict], Optional[str]]
@@ -57,17 +57,18 @@ class SampleRelay:
         """
         calls = [(runner_id, *self._runners[runner_id].apply.options(num_returns=2).remote(sample_with_state, state=state[0]))
                  for runner_id in runner_ids]
-        ready = set(ray.wait([metrics for _, _, metrics in calls], num_returns=len(calls), timeout=timeout_s,
+        if not calls:
+            return None, []
+        # Both of a call's returns are ready together; waiting on the episodes also brings them to this node.
+        ready = set(ray.wait([episodes for _, episodes, _ in calls], num_returns=len(calls), timeout=timeout_s,
                              fetch_local=True)[0])
         replies: list[RunnerReply] = []
         fragments: list[list] = []
         for runner_id, episodes, metrics in calls:
-            if metrics not in ready:
+            if episodes not in ready:
                 continue
             try:  # runner by runner: one lost object costs that runner's sample only
-                runner_metrics, runner_episodes = ray.get([metrics, episodes], timeout=0)
-            except GetTimeoutError:
-                continue
+                runner_metrics, runner_episodes = ray.get([metrics, episodes])
             except RayError as exc:
                 replies.append((runner_id, None, f"{type(exc).__name__}: {str(exc).strip()[:2000]}"))
                 continue

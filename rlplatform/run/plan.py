@@ -84,22 +84,49 @@ def runs_algorithm_in_driver(config: ExperimentConfig, bundles: list[dict[str, f
 
 def _with_external_ports(config: ExperimentConfig) -> ExperimentConfig:
     """The ports the external runners listen on, fixed once for the run (a resume keeps them): `external.port` and
-    the ones after it, or, where it is 0, ports free on this machine now."""
-    import socket
-
+    the ones after it, or, where it is 0, ports free on this machine now (`_listen_ports`)."""
     ext = config.external
     assert ext is not None
     count = config.scale.env_runners
-    if ext.port:
-        ports = list(range(ext.port, ext.port + count))
-    else:
-        sockets = [socket.create_server((ext.host, 0)) for _ in range(count)]
-        ports = [s.getsockname()[1] for s in sockets]
-        for s in sockets:
-            s.close()
+    ports = list(range(ext.port, ext.port + count)) if ext.port else _listen_ports(ext.host, count)
     if max(ports) > 65535:
         raise UserError(f"external.port {ext.port} + {count} runners goes past port 65535")
     return config.model_copy(update={"external": ext.model_copy(update={"ports": ports})})
+
+
+RAY_WORKER_PORTS = (10002, 19999)  # Ray's default min_worker_port..max_worker_port
+
+
+def _listen_ports(host: str, count: int) -> list[int]:
+    """`count` ports free on this machine now, outside the kernel's ephemeral range and Ray's worker ports.
+
+    The runners bind them only once Ray has started them, after dozens of Ray's processes took ports of their own:
+    a port the kernel hands out for `bind(0)` could be handed out again in between (seen: "Address already in use").
+    """
+    import random
+    import socket
+
+    low, high = _ephemeral_ports()
+    ranges = [r for r in ((1024, low - 1), (high + 1, 65535)) if r[1] >= r[0]]
+    candidates = [p for lo, hi in ranges for p in range(lo, hi + 1) if not RAY_WORKER_PORTS[0] <= p <= RAY_WORKER_PORTS[1]]
+    ports: list[int] = []
+    for port in random.sample(candidates, min(len(candidates), 2000)):
+        try:
+            socket.create_server((host, port)).close()
+        except OSError:
+            continue
+        ports.append(port)
+        if len(ports) == count:
+            return ports
+    raise UserError(f"found no {count} free ports for the external runners on {host}; set external.port")
+
+
+def _ephemeral_ports() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
 
 
 def _envs_choice(config: ExperimentConfig, resolved: ResolvedExperiment, resize: bool, layout_note: Optional[str],
