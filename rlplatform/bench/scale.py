@@ -288,7 +288,6 @@ def process_figures(samples: list[dict[str, Any]], window: tuple[float, float], 
     runners = [e for e in last.values() if e["role"] == "env runner" and "uss" in e]
     mb = 2**20
     return {"cpu_percent": cpu or None, "runner_processes": len(runners),
-            "relay_processes": sum(1 for series in seen.values() if series[-1][1]["role"] == "relay"),
             "runner_memory": [{"pid": int(pid), "node": e["node"], "rss_mb": e["rss"] / mb, "uss_mb": e["uss"] / mb}
                               for pid, e in last.items() if e in runners],
             "runner_rss_mb": median([e["rss"] / mb for e in runners]), "runner_uss_mb": median([e["uss"] / mb for e in runners]),

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from rlplatform import console
+from rlplatform.bench.processes import ROLES
 from rlplatform.bench.training_runs import write_json
 from rlplatform.config.schema import ScaleSection
 from rlplatform.errors import UserError
@@ -49,7 +50,7 @@ RUNNER_TERMS = ("u: per iteration (s)", "v: per env step (s)")
 RELAY_TERMS = ("e: per relay (s)", "f: per runner (s)", "g: per env step (s)")
 EXTRAPOLATE_RUNNERS = (256, 1000)
 EXTRAPOLATE_NODES = (16, 64)
-ALGORITHM_ROLE = "algorithm + local learner"  # the process that runs training_step (bench.scale's roles)
+ALGORITHM_ROLE = ROLES["AlgorithmHost"]  # the process that runs training_step
 
 
 def run_fit(paths: list[Path], output: Path) -> int:
