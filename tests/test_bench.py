@@ -47,6 +47,10 @@ def test_throughput_measures_raw_limit_and_each_layout_and_auto_uses_the_best(tm
         # machine's cores give over the window.
         assert 0 < row["runner_cpu_us_per_step"] < 1e6 * CPUS / row["env_steps_per_s"] * 1.05
         assert row["ratio_to_raw_per_runner_cpu"] == pytest.approx(1e6 / row["runner_cpu_us_per_step"] / data["raw_env_steps_per_s"])
+        # Raw stepping timed in the runner's own process: a CPU cost per step of the same order as the driver's raw
+        # figure (the same env on the same machine), not a wall-clock or a per-vector-step figure.
+        assert 0.2 < row["raw_cpu_us_per_step_in_runner"] * data["raw_env_steps_per_s"] / 1e6 < 5
+        assert row["ratio_to_raw_in_runner"] == pytest.approx(row["raw_cpu_us_per_step_in_runner"] / row["runner_cpu_us_per_step"])
     assert (tmp_path / "throughput-CartPole-v1.png").stat().st_size > 5000
 
     best = max(layouts.values(), key=lambda r: r["env_steps_per_s"])

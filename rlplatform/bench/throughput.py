@@ -7,6 +7,8 @@ training builds them, sample with the policy in the loop and learning off. The t
 steps/s and the ratio to the raw limit per env-runner core, and the runners' own CPU time per env
 step (each runner process's CPU, read inside it) with the ratio to the raw limit per second of that
 CPU: on a machine where the runners share cores with the driver, the second ratio is the runner's cost.
+A third ratio takes the raw step's CPU cost inside each runner's own process, just before and just after
+its sampling window: the host's speed moves within minutes, and this one compares like with like.
 JSON and a PNG plot are written too.
 """
 
@@ -90,10 +92,13 @@ def run(args: argparse.Namespace) -> int:
             cpu_us = 1e6 * sampled.runner_cpu_s / sampled.steps
             rows.append({**asdict(layout), "layout": str(layout), "env_steps_per_s": sps,
                          "ratio_to_raw_per_runner": sps / (raw * layout.env_runners),
-                         "runner_cpu_us_per_step": cpu_us, "ratio_to_raw_per_runner_cpu": 1e6 / cpu_us / raw})
+                         "runner_cpu_us_per_step": cpu_us, "ratio_to_raw_per_runner_cpu": 1e6 / cpu_us / raw,
+                         "raw_cpu_us_per_step_in_runner": sampled.raw_cpu_us,
+                         "ratio_to_raw_in_runner": sampled.raw_cpu_us / cpu_us})
             console.say(f"{layout}: {sps:,.0f} env steps/s ({rows[-1]['ratio_to_raw_per_runner']:.0%} of raw per runner); "
                         f"runner CPU {cpu_us:.1f} us per env step ({rows[-1]['ratio_to_raw_per_runner_cpu']:.0%} of raw "
-                        f"per runner CPU second; raw: {1e6 / raw:.1f} us)")
+                        f"per runner CPU second; raw: {1e6 / raw:.1f} us); raw stepping in the runner's process "
+                        f"{sampled.raw_cpu_us:.1f} us = {rows[-1]['ratio_to_raw_in_runner']:.0%}")
     finally:
         local_ray.shutdown()
     _print_table(rows)
@@ -123,6 +128,13 @@ def _slug(env: str) -> str:
 
 def raw_steps_per_second(env: str, env_config: dict[str, Any], seconds: float) -> float:
     """Random actions through a SyncVectorEnv in this process: what the env itself can do on one core."""
+    steps, wall_s, _ = step_randomly(env, env_config, seconds)
+    return steps / wall_s
+
+
+def step_randomly(env: str, env_config: dict[str, Any], seconds: float) -> tuple[int, float, float]:
+    """Random actions through a SyncVectorEnv of RAW_ENVS envs in the calling process for about `seconds`:
+    (env steps, wall seconds, this process's CPU seconds)."""
     import gymnasium as gym
 
     from rlplatform.config.env_ids import runner_env_id
@@ -133,12 +145,12 @@ def raw_steps_per_second(env: str, env_config: dict[str, Any], seconds: float) -
         vec.action_space.seed(0)
         for _ in range(20):  # warm-up
             vec.step(vec.action_space.sample())
-        steps, start = 0, time.perf_counter()
+        steps, start, cpu_start = 0, time.perf_counter(), time.process_time()
         while time.perf_counter() - start < seconds:
             for _ in range(50):
                 vec.step(vec.action_space.sample())
             steps += 50 * RAW_ENVS
-        return steps / (time.perf_counter() - start)
+        return steps, time.perf_counter() - start, time.process_time() - cpu_start
     finally:
         vec.close()
 
@@ -148,6 +160,7 @@ class Sampled:
     steps: int
     seconds: float
     runner_cpu_s: float  # all runner processes together, over the same window
+    raw_cpu_us: float  # raw stepping's CPU per env step inside the runners' processes, just before and just after
 
 
 def sample_runners(config, seconds: float) -> Sampled:
@@ -162,9 +175,11 @@ def sample_runners(config, seconds: float) -> Sampled:
     from rlplatform.adapter.env_runners import remote_env_runners
 
     runners = remote_env_runners(config, config.scale.env_runners)
+    raw_seconds = max(1.0, seconds / 4)
     try:
         fragment = 50 * config.scale.envs_per_runner
         ray.get([r.sample.remote(num_timesteps=fragment) for r in runners])  # warm-up: envs and module built
+        raw_before = _raw_cpu_us_in(runners, config, raw_seconds)
         cpu_before = _runner_cpu_s(runners)
         in_flight = {r.sample.remote(num_timesteps=fragment): r for r in runners for _ in range(2)}
         steps, start = 0, time.perf_counter()
@@ -175,7 +190,9 @@ def sample_runners(config, seconds: float) -> Sampled:
             if time.perf_counter() - start < seconds:
                 in_flight[runner.sample.remote(num_timesteps=fragment)] = runner
         elapsed = time.perf_counter() - start
-        return Sampled(steps=steps, seconds=elapsed, runner_cpu_s=_runner_cpu_s(runners) - cpu_before)
+        runner_cpu_s = _runner_cpu_s(runners) - cpu_before
+        raw_after = _raw_cpu_us_in(runners, config, raw_seconds)
+        return Sampled(steps=steps, seconds=elapsed, runner_cpu_s=runner_cpu_s, raw_cpu_us=(raw_before + raw_after) / 2)
     finally:
         for runner in runners:
             ray.kill(runner)
@@ -192,16 +209,34 @@ def _process_cpu_s(_actor: Any) -> float:
     return time.process_time()
 
 
+def _raw_cpu_us_in(runners: list, config: Any, seconds: float) -> float:
+    """Raw stepping's CPU per env step measured in each runner's own process (its core, its moment), averaged: the
+    host's speed moves by 20-30 % within minutes, so a raw figure taken elsewhere or earlier misjudges the ratio."""
+    import ray
+
+    costs = ray.get([r.__ray_call__.remote(_raw_cpu_us_per_step, config.env, dict(config.env_config), seconds)
+                     for r in runners])
+    return sum(costs) / len(costs)
+
+
+def _raw_cpu_us_per_step(_actor: Any, env: str, env_config: dict[str, Any], seconds: float) -> float:
+    """CPU microseconds per env step of random actions through a SyncVectorEnv, in the calling process."""
+    steps, _, cpu_s = step_randomly(env, env_config, seconds)
+    return 1e6 * cpu_s / steps
+
+
 def _print_table(rows: list[dict[str, Any]]) -> None:
     from rich.table import Table
 
     table = Table(title="sampling throughput (learning off)")
-    for column in ("layout", "env steps/s", "per runner", "of raw, per runner", "runner CPU us/step", "of raw, per runner CPU"):
+    for column in ("layout", "env steps/s", "per runner", "of raw, per runner", "runner CPU us/step", "of raw, per runner CPU",
+                   "raw in the runner, us/step", "of raw in the runner"):
         table.add_column(column, justify="right")
     for row in rows:
         table.add_row(row["layout"], f"{row['env_steps_per_s']:,.0f}", f"{row['env_steps_per_s'] / row['env_runners']:,.0f}",
                       f"{row['ratio_to_raw_per_runner']:.0%}", f"{row['runner_cpu_us_per_step']:.1f}",
-                      f"{row['ratio_to_raw_per_runner_cpu']:.0%}")
+                      f"{row['ratio_to_raw_per_runner_cpu']:.0%}", f"{row['raw_cpu_us_per_step_in_runner']:.1f}",
+                      f"{row['ratio_to_raw_in_runner']:.0%}")
     console.stdout.print(table)
 
 

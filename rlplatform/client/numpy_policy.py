@@ -157,20 +157,14 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     return (shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))).astype(np.float32)
 
 
-def sample_categorical(probs: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-    """One draw per row from (possibly unnormalised) probabilities, by the inverse of their cumulative sum."""
-    cumulative = np.cumsum(probs, axis=-1)
-    u = rng.random((len(probs), 1), dtype=np.float32) * cumulative[:, -1:]
-    return np.minimum((cumulative <= u).sum(axis=-1), probs.shape[-1] - 1).astype(np.int64, copy=False)
-
-
 def sample_categorical_with_logp(logits: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
-    """`sample_categorical` of softmax(logits) and the draws' log-probabilities, sharing one exp (this runs once per
-    vector step: a few small numpy calls fewer is ~a third of a 32-env batch's action time)."""
+    """One draw per row from softmax(logits), by the Gumbel-max trick (argmax of logits + Gumbel noise, the noise
+    as -log of a standard exponential), and the draws' log-probabilities. This runs once per vector step: on a
+    32-env batch it takes half the numpy calls of the inverse of the cumulative sum."""
+    noise = -np.log(rng.standard_exponential(logits.shape))  # float64: an exact 0 (an infinite draw) is out of reach
+    actions = (logits + noise).argmax(axis=-1)
     shifted = logits - logits.max(axis=-1, keepdims=True)
-    unnormalised = np.exp(shifted)
-    actions = sample_categorical(unnormalised, rng)
-    log_total = np.log(unnormalised.sum(axis=-1))
+    log_total = np.log(np.exp(shifted).sum(axis=-1))
     logp = shifted[np.arange(len(actions)), actions] - log_total
     return actions, logp.astype(np.float32, copy=False)
 
