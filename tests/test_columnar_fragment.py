@@ -243,3 +243,21 @@ def test_with_an_on_sample_end_callback_the_episodes_travel_packed():
     episodes = lean.sample(num_timesteps=20)
     assert type(episodes) is PackedEpisodes
     assert pickle.loads(pickle.dumps(episodes))[0].custom_data == {"tagged": True}
+
+
+def test_rllibs_env_step_timer_gets_each_vector_steps_time():
+    """The columnar loop feeds RLlib's env-step timer at the fragment's end: each vector step's own time, as
+    RLlib's per-step `_try_env_step` does (not the fragment's total, not a per-sub-env share). Each vector step
+    of two sub-envs sleeps at least 2 x 3 ms, so both paths' timers read at least 6 ms and agree."""
+    from ray.rllib.utils.metrics import ENV_STEP_TIMER
+
+    overrides = ("env=rlplatform/CostlySim-v0", "env_config.work_ms=0.0", "env_config.wait_ms=3.0",
+                 "scale.envs_per_runner=2")
+    timers = {}
+    for columnar in (True, False):
+        lean = runner(columnar, *overrides)
+        for _ in range(3):
+            lean.sample(num_timesteps=20)
+        timers[columnar] = lean.get_metrics()[ENV_STEP_TIMER].peek()
+    assert timers[True] >= 0.006 and timers[False] >= 0.006, timers
+    assert 0.5 < timers[True] / timers[False] < 2, timers
