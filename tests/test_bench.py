@@ -50,7 +50,10 @@ def test_throughput_measures_raw_limit_and_each_layout_and_auto_uses_the_best(tm
         # Raw stepping timed in the runner's own process: a CPU cost per step of the same order as the driver's raw
         # figure (the same env on the same machine), not a wall-clock or a per-vector-step figure.
         assert 0.2 < row["raw_cpu_us_per_step_in_runner"] * data["raw_env_steps_per_s"] / 1e6 < 5
-        assert row["ratio_to_raw_in_runner"] == pytest.approx(row["raw_cpu_us_per_step_in_runner"] / row["runner_cpu_us_per_step"])
+        if row["vectorize"] == "async":  # its envs step in subprocesses, which the runner's own CPU leaves out
+            assert row["ratio_to_raw_in_runner"] is None
+        else:
+            assert row["ratio_to_raw_in_runner"] == pytest.approx(row["raw_cpu_us_per_step_in_runner"] / row["runner_cpu_us_per_step"])
     assert (tmp_path / "throughput-CartPole-v1.png").stat().st_size > 5000
 
     best = max(layouts.values(), key=lambda r: r["env_steps_per_s"])
@@ -97,7 +100,9 @@ def test_solve_reports_each_seed_and_the_median_with_startup_apart(tmp_path):
 
 @pytest.mark.slow
 def test_soak_reads_memory_of_driver_algorithm_and_runner(tmp_path):
-    result = run_cli("bench", "soak", "--minutes", "0.35", "--warmup-minutes", "0.15", "--interval", "2",
+    # 30 s: on a loaded host the env runner's process has been seen to start 12 s in, and its growth needs six
+    # samples after the 9 s warm-up.
+    result = run_cli("bench", "soak", "--minutes", "0.5", "--warmup-minutes", "0.15", "--interval", "2",
                      "--set", "scale.env_runners=1", "--set", "scale.algorithm_in=actor", "-o", tmp_path, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     (path,) = tmp_path.glob("soak-cartpole-ppo-*/soak.json")

@@ -151,6 +151,26 @@ def test_a_failed_env_step_keeps_the_finished_episodes_and_resets_as_rllib_does(
     assert_same_episodes(per_step, columnar)
 
 
+def test_a_failed_env_step_without_restarts_raises_as_rllib_does_and_logs_the_steps_before_it():
+    """Without `restart_failed_sub_environments` RLlib raises a RuntimeError from the env's error; the columnar
+    loop does too, after counting the failure and feeding the env-step timer the fragment's steps, the failed
+    one included (RLlib's timer block pushes on the way out either way)."""
+    from ray.rllib.utils.metrics import ENV_STEP_TIMER
+
+    overrides = ("env=rlplatform/Faulty-v0", "env_config.env=CartPole-v1", "env_config.crash_mode=raise",
+                 "env_config.crash_probability=0.01", "env_config.active=true", "env_config.seed=3",
+                 "scale.envs_per_runner=4", "rllib.fault_tolerance.restart_failed_sub_environments=false")
+    for columnar in (True, False):
+        lean = runner(columnar, *overrides)
+        with pytest.raises(RuntimeError) as raised:
+            for _ in range(50):
+                lean.sample(num_timesteps=100)
+        assert raised.value.__cause__ is not None, columnar  # the env's own error, chained
+        metrics = lean.get_metrics()
+        assert metrics["num_env_step_failures"].peek() == 1, columnar
+        assert metrics[ENV_STEP_TIMER].peek() > 0, columnar
+
+
 def test_an_episode_chunk_starts_its_clock_in_its_own_fragment():
     """RLlib's `cut` leaves a continuation without a start time: each chunk's duration lies within the `sample`
     call that returned it (no time bound: the call's own span is the measure), over 60 one-step fragments."""

@@ -7,8 +7,10 @@ training builds them, sample with the policy in the loop and learning off. The t
 steps/s and the ratio to the raw limit per env-runner core, and the runners' own CPU time per env
 step (each runner process's CPU, read inside it) with the ratio to the raw limit per second of that
 CPU: on a machine where the runners share cores with the driver, the second ratio is the runner's cost.
-A third ratio takes the raw step's CPU cost inside each runner's own process, just before and just after
-its sampling window: the host's speed moves within minutes, and this one compares like with like.
+A third ratio takes the raw step's CPU cost inside each runner's own process (as many sub-envs in one
+SyncVectorEnv as the runner has), just before and just after its sampling window: the host's speed moves
+within minutes, and this one compares like with like. It is left out (n/a) for async layouts, whose envs
+step in subprocesses that the runner's own CPU time does not count.
 JSON and a PNG plot are written too.
 """
 
@@ -21,7 +23,7 @@ import re
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from rlplatform import console
 from rlplatform.errors import UserError
@@ -94,11 +96,12 @@ def run(args: argparse.Namespace) -> int:
                          "ratio_to_raw_per_runner": sps / (raw * layout.env_runners),
                          "runner_cpu_us_per_step": cpu_us, "ratio_to_raw_per_runner_cpu": 1e6 / cpu_us / raw,
                          "raw_cpu_us_per_step_in_runner": sampled.raw_cpu_us,
-                         "ratio_to_raw_in_runner": sampled.raw_cpu_us / cpu_us})
+                         # An async runner's envs step in subprocesses whose CPU its own process time leaves out.
+                         "ratio_to_raw_in_runner": None if layout.vectorize == "async" else sampled.raw_cpu_us / cpu_us})
             console.say(f"{layout}: {sps:,.0f} env steps/s ({rows[-1]['ratio_to_raw_per_runner']:.0%} of raw per runner); "
                         f"runner CPU {cpu_us:.1f} us per env step ({rows[-1]['ratio_to_raw_per_runner_cpu']:.0%} of raw "
                         f"per runner CPU second; raw: {1e6 / raw:.1f} us); raw stepping in the runner's process "
-                        f"{sampled.raw_cpu_us:.1f} us = {rows[-1]['ratio_to_raw_in_runner']:.0%}")
+                        f"{sampled.raw_cpu_us:.1f} us = {_percent(rows[-1]['ratio_to_raw_in_runner'])}")
     finally:
         local_ray.shutdown()
     _print_table(rows)
@@ -132,14 +135,14 @@ def raw_steps_per_second(env: str, env_config: dict[str, Any], seconds: float) -
     return steps / wall_s
 
 
-def step_randomly(env: str, env_config: dict[str, Any], seconds: float) -> tuple[int, float, float]:
-    """Random actions through a SyncVectorEnv of RAW_ENVS envs in the calling process for about `seconds`:
+def step_randomly(env: str, env_config: dict[str, Any], seconds: float, num_envs: int = RAW_ENVS) -> tuple[int, float, float]:
+    """Random actions through a SyncVectorEnv of `num_envs` envs in the calling process for about `seconds`:
     (env steps, wall seconds, this process's CPU seconds)."""
     import gymnasium as gym
 
     from rlplatform.config.env_ids import runner_env_id
 
-    vec = gym.make_vec(runner_env_id(env), num_envs=RAW_ENVS, vectorization_mode="sync", **env_config)
+    vec = gym.make_vec(runner_env_id(env), num_envs=num_envs, vectorization_mode="sync", **env_config)
     try:
         vec.reset(seed=0)
         vec.action_space.seed(0)
@@ -149,7 +152,7 @@ def step_randomly(env: str, env_config: dict[str, Any], seconds: float) -> tuple
         while time.perf_counter() - start < seconds:
             for _ in range(50):
                 vec.step(vec.action_space.sample())
-            steps += 50 * RAW_ENVS
+            steps += 50 * num_envs
         return steps, time.perf_counter() - start, time.process_time() - cpu_start
     finally:
         vec.close()
@@ -160,7 +163,8 @@ class Sampled:
     steps: int
     seconds: float
     runner_cpu_s: float  # all runner processes together, over the same window
-    raw_cpu_us: float  # raw stepping's CPU per env step inside the runners' processes, just before and just after
+    raw_cpu_us: float  # raw stepping's CPU per env step inside the runners' processes, just before and just after,
+    # with as many sub-envs in one SyncVectorEnv as each runner has
 
 
 def sample_runners(config, seconds: float) -> Sampled:
@@ -214,15 +218,19 @@ def _raw_cpu_us_in(runners: list, config: Any, seconds: float) -> float:
     host's speed moves by 20-30 % within minutes, so a raw figure taken elsewhere or earlier misjudges the ratio."""
     import ray
 
-    costs = ray.get([r.__ray_call__.remote(_raw_cpu_us_per_step, config.env, dict(config.env_config), seconds)
-                     for r in runners])
+    costs = ray.get([r.__ray_call__.remote(_raw_cpu_us_per_step, config.env, dict(config.env_config), seconds,
+                                           config.scale.envs_per_runner) for r in runners])
     return sum(costs) / len(costs)
 
 
-def _raw_cpu_us_per_step(_actor: Any, env: str, env_config: dict[str, Any], seconds: float) -> float:
+def _raw_cpu_us_per_step(_actor: Any, env: str, env_config: dict[str, Any], seconds: float, num_envs: int) -> float:
     """CPU microseconds per env step of random actions through a SyncVectorEnv, in the calling process."""
-    steps, _, cpu_s = step_randomly(env, env_config, seconds)
+    steps, _, cpu_s = step_randomly(env, env_config, seconds, num_envs)
     return 1e6 * cpu_s / steps
+
+
+def _percent(ratio: Optional[float]) -> str:
+    return "n/a" if ratio is None else f"{ratio:.0%}"
 
 
 def _print_table(rows: list[dict[str, Any]]) -> None:
@@ -236,7 +244,7 @@ def _print_table(rows: list[dict[str, Any]]) -> None:
         table.add_row(row["layout"], f"{row['env_steps_per_s']:,.0f}", f"{row['env_steps_per_s'] / row['env_runners']:,.0f}",
                       f"{row['ratio_to_raw_per_runner']:.0%}", f"{row['runner_cpu_us_per_step']:.1f}",
                       f"{row['ratio_to_raw_per_runner_cpu']:.0%}", f"{row['raw_cpu_us_per_step_in_runner']:.1f}",
-                      f"{row['ratio_to_raw_in_runner']:.0%}")
+                      _percent(row["ratio_to_raw_in_runner"]))
     console.stdout.print(table)
 
 

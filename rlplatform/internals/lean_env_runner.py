@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
 import gymnasium as gym
@@ -42,6 +43,7 @@ from rlplatform.internals.episode_transport import PackedEpisodes
 if TYPE_CHECKING:
     import torch
 
+RLLIB_LOGGER = logging.getLogger("ray.rllib.env.env_runner")  # where RLlib's `_try_env_step` logs a failed step
 DEFAULT_ENV_TO_MODULE = ("AddObservationsFromEpisodesToBatch", "AddTimeDimToBatchAndZeroPad",
                          "AddStatesFromEpisodesToBatch", "BatchIndividualItems", "NumpyToTensor")
 DEFAULT_MODULE_TO_ENV = ("GetActions", "TensorToNumpy", "UnBatchToIndividualItems", "RemoveSingleTsTimeRankFromBatch",
@@ -127,26 +129,28 @@ class LeanEnvRunner(SingleAgentEnvRunner):
         fragments.begin()
         self.module.eval()
         before_failure: list[tuple[int, Any]] = []  # episodes that ended before an env step failed
-        step_s: list[float] = []  # each vector step's time, for RLlib's env-step timer
+        step_times = StepTimes()  # for RLlib's env-step timer and counter, logged even if a step raises
         ts, runners = 0, self.config.num_env_runners or 1
-        while ts < num_timesteps:
-            t = (self.num_env_steps_sampled_lifetime // runners + ts) * runners
-            to_env = self._compute_actions(self._next_obs, explore, t)
-            actions = to_env.pop(Columns.ACTIONS)
-            results = _timed_env_step(self, self._actions_for_env(actions), step_s)
-            if results == ENV_STEP_FAILURE:  # as RLlib does: keep the finished episodes, reset everything, go on
-                finished_before = fragments.finish({WEIGHTS_SEQ_NO: self._weights_seq_no})[0]
-                self._episodes_ended(finished_before)  # before the reset forgets their earlier chunks
-                before_failure += finished_before
-                ts = 0
-                self._reset_lean(explore)
-                fragments.start(self._ongoing_episodes)
-                fragments.begin()
-                continue
-            observations, rewards, terminateds, truncateds, infos = results
-            ts += fragments.add(actions, to_env, observations, rewards, terminateds, truncateds, infos)
-            self._next_obs = observations
-        _log_env_step_times(self, step_s)
+        try:
+            while ts < num_timesteps:
+                t = (self.num_env_steps_sampled_lifetime // runners + ts) * runners
+                to_env = self._compute_actions(self._next_obs, explore, t)
+                actions = to_env.pop(Columns.ACTIONS)
+                results = _timed_env_step(self, self._actions_for_env(actions), step_times)
+                if results == ENV_STEP_FAILURE:  # as RLlib does: keep the finished episodes, reset everything, go on
+                    finished_before = fragments.finish({WEIGHTS_SEQ_NO: self._weights_seq_no})[0]
+                    self._episodes_ended(finished_before)  # before the reset forgets their earlier chunks
+                    before_failure += finished_before
+                    ts = 0
+                    self._reset_lean(explore)
+                    fragments.start(self._ongoing_episodes)
+                    fragments.begin()
+                    continue
+                observations, rewards, terminateds, truncateds, infos = results
+                ts += fragments.add(actions, to_env, observations, rewards, terminateds, truncateds, infos)
+                self._next_obs = observations
+        finally:
+            _log_env_step_times(self, step_times)
         finished, fragment_episodes = fragments.finish({WEIGHTS_SEQ_NO: self._weights_seq_no})
         self._episodes_ended(finished)
         chunks = fragment_episodes[len(finished):]
@@ -262,7 +266,17 @@ class LeanEnvRunner(SingleAgentEnvRunner):
         return done_episodes + chunks
 
 
-def _timed_env_step(runner: SingleAgentEnvRunner, actions: Any, step_s: list[float]) -> Any:
+@dataclass
+class StepTimes:
+    """A fragment's vector steps as RLlib's `_try_env_step` logs them: every step's time, a failed one's too, for the
+    env-step timer (its `log_time` block pushes on the way out either way), and how many succeeded, for the
+    Prometheus counter of env steps tried."""
+
+    seconds: list[float] = field(default_factory=list)
+    succeeded: int = 0
+
+
+def _timed_env_step(runner: SingleAgentEnvRunner, actions: Any, times: StepTimes) -> Any:
     """RLlib's `_try_env_step`, with its timer and step counter left to the fragment's end (`_log_env_step_times`):
     per vector step they cost a context manager, a metrics-logger lookup and a Prometheus counter call (~3 % of a
     CartPole runner). A function, not a method: Ray wraps an actor's methods for tracing."""
@@ -270,33 +284,40 @@ def _timed_env_step(runner: SingleAgentEnvRunner, actions: Any, step_s: list[flo
     try:
         results = runner.env.step(actions)
     except Exception as error:
+        times.seconds.append(time.perf_counter() - start)
         return _env_step_failed(runner, error)
-    step_s.append(time.perf_counter() - start)
+    times.seconds.append(time.perf_counter() - start)
+    times.succeeded += 1
     return results
 
 
-def _log_env_step_times(runner: SingleAgentEnvRunner, step_s: list[float]) -> None:
+def _log_env_step_times(runner: SingleAgentEnvRunner, times: StepTimes) -> None:
     """What RLlib's `_try_env_step` logs per vector step, for a fragment's steps: each step's time pushed, in
-    order, into the same EMA timer, and the Prometheus count of env steps tried raised by their number."""
-    if step_s:
+    order, into the same EMA timer, and the Prometheus count of env steps tried raised by the ones that succeeded."""
+    if times.seconds:
         timer = runner.metrics.log_time(ENV_STEP_TIMER)  # the timer's stats object, created as RLlib's with-block does
-        for seconds in step_s:
+        for seconds in times.seconds:
             timer.push(seconds)
-        runner._log_env_steps(metric=runner._metrics_num_try_env_step, num_steps=len(step_s))
-        step_s.clear()
+    if times.succeeded:
+        runner._log_env_steps(metric=runner._metrics_num_try_env_step, num_steps=times.succeeded)
 
 
 def _env_step_failed(runner: SingleAgentEnvRunner, error: Exception) -> Any:
-    """RLlib's `_try_env_step` when the step raised (env_runner.py): counted, then the env recreated (the caller
-    resets and starts over) or the error raised, as `restart_failed_sub_environments` says."""
+    """RLlib's `_try_env_step` when the step raised (env_runner.py), called while the error is handled: counted,
+    logged, then the env recreated (the caller resets and starts over) or the error raised, as
+    `restart_failed_sub_environments` says."""
     runner.metrics.log_value(NUM_ENV_STEP_FAILURES_LIFETIME, 1, reduce="lifetime_sum")
+    name = type(runner).__name__
     if not runner.config.restart_failed_sub_environments:
-        raise RuntimeError(f"RLlib {type(runner).__name__}: Environment step failed and "
-                           "'config.restart_failed_sub_environments' is False.") from error
+        RLLIB_LOGGER.exception(
+            f"RLlib {name}: Environment step failed and 'config.restart_failed_sub_environments' is False. This env "
+            "will not be recreated. Consider setting 'fault_tolerance(restart_failed_sub_environments=True)' in your "
+            f"AlgorithmConfig in order to automatically re-create and force-reset an env.The original error type: "
+            f"{type(error)}. {error}")
+        raise RuntimeError from error
     if not isinstance(error, StepFailedRecreateEnvError):
-        logging.getLogger("ray.rllib.env.env_runner").exception(
-            f"RLlib {type(runner).__name__}: Environment step failed. Will force reset env(s) in this EnvRunner. "
-            f"The original error is: {error}")
+        RLLIB_LOGGER.exception(f"RLlib {name}: Environment step failed. Will force reset env(s) in this EnvRunner. "
+                               f"The original error is: {error}")
     runner.make_env()
     return ENV_STEP_FAILURE
 
