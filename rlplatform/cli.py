@@ -28,12 +28,12 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     from rlplatform import bench
-    from rlplatform.commands import cluster, dashboard, envs, evaluate, export, report, serve, train, tune
+    from rlplatform.commands import cluster, dashboard, data, envs, evaluate, export, record, report, serve, train, tune
 
     parser = _Parser(prog="rlplatform", description="Distributed reinforcement learning on Ray RLlib.")
     parser.add_argument("--version", action="version", version=f"rlplatform {__version__}")
     subparsers = parser.add_subparsers(dest="verb", metavar="VERB", parser_class=_Parser)
-    for verb in (train, tune, evaluate, export, serve, dashboard, report, envs, cluster, bench):
+    for verb in (train, tune, evaluate, export, record, data, serve, dashboard, report, envs, cluster, bench):
         verb.add_parser(subparsers)
     return parser
 

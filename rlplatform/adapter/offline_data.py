@@ -1,0 +1,156 @@
+"""Episodes on disk in RLlib's offline format, and what a dataset of them holds.
+
+RLlib's recording env runner (`OfflineSingleAgentEnvRunner`, `offline_data(output_write_episodes=True)`)
+writes Parquet files with one column, `item`: each row one episode's `get_state()` packed with msgpack,
+numpy arrays by msgpack_numpy. Its offline reader (`OfflinePreLearner`, `input_read_episodes=True`) decodes
+that column with `SingleAgentEpisode.from_state`. Files written here have that form, so RLlib's offline
+algorithms read them as they read their own recordings; files RLlib wrote are read here too.
+
+Written directly with pyarrow, one file per writer: RLlib's writer goes through Ray Data write tasks (a
+CPU each, outside the run's placement group) and, without `output_max_rows_per_file`, rewrites its whole
+buffer at every sample (docs/offline.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+import gymnasium as gym
+from ray.rllib.env.single_agent_episode import SingleAgentEpisode
+
+from rlplatform.errors import UserError
+
+ITEM = "item"  # the column RLlib writes (ray.data.from_items of the packed episodes) and reads
+
+
+def encode(episode: SingleAgentEpisode) -> bytes:
+    """One episode as RLlib's recording runner packs it."""
+    import msgpack
+    import msgpack_numpy
+
+    return msgpack.packb(episode.get_state(), default=msgpack_numpy.encode)
+
+
+def decode(item: bytes) -> SingleAgentEpisode:
+    """One packed episode, as RLlib's offline reader unpacks it."""
+    import msgpack
+    import msgpack_numpy
+
+    return SingleAgentEpisode.from_state(msgpack.unpackb(item, object_hook=msgpack_numpy.decode))
+
+
+def write_part(episodes: Iterable[SingleAgentEpisode], path: Path) -> int:
+    """Write the episodes (finished ones: RLlib's reader takes no others) to one Parquet file; their number."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    items = []
+    for episode in episodes:
+        if not episode.is_done:
+            raise ValueError(f"episode {episode.id_} is not finished: offline readers take whole episodes only")
+        items.append(encode(episode))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table({ITEM: pa.array(items, type=pa.binary())}), path)
+    return len(items)
+
+
+def parquet_files(path: Path) -> list[Path]:
+    """The dataset's Parquet files: the file itself, or every one under the directory (as Ray Data reads them)."""
+    if path.is_file():
+        return [path]
+    if not path.is_dir():
+        raise UserError(f"no such dataset: {path}")
+    files = sorted(p for p in path.rglob("*.parquet") if p.is_file())
+    if not files:
+        raise UserError(f"no Parquet files under {path}")
+    return files
+
+
+def read_episodes(path: Path) -> Iterator[SingleAgentEpisode]:
+    """Every episode of the dataset, file by file; a file that is not episodes in RLlib's form is named."""
+    import pyarrow.parquet as pq
+
+    for file in parquet_files(path):
+        try:
+            parquet = pq.ParquetFile(file)
+        except Exception as exc:  # truncated, or not Parquet at all
+            raise UserError(f"{file}: not a readable Parquet file ({type(exc).__name__}: {exc})") from None
+        if ITEM not in parquet.schema_arrow.names:
+            raise UserError(f"{file}: no {ITEM!r} column: not episodes recorded in RLlib's format "
+                            f"(columns: {', '.join(parquet.schema_arrow.names)})")
+        for batch in parquet.iter_batches(columns=[ITEM], batch_size=256):
+            for item in batch.column(0).to_pylist():
+                try:
+                    yield decode(item)
+                except Exception as exc:
+                    raise UserError(f"{file}: a row is not a packed episode ({type(exc).__name__}: {exc})") from None
+
+
+@dataclass
+class DatasetSummary:
+    """What `data info` shows and `dataset.json` keeps."""
+
+    episodes: int
+    env_steps: int
+    return_mean: float
+    return_min: float
+    return_max: float
+    length_mean: float
+    observation_space: gym.Space
+    action_space: gym.Space
+    files: int
+    bytes: int
+    finished: int  # episodes that ended (terminated or truncated): what offline readers take
+
+    def as_dict(self, describe_space: Any) -> dict[str, Any]:
+        out = {k: v for k, v in vars(self).items() if not k.endswith("_space")}
+        out["observation_space"] = describe_space(self.observation_space)
+        out["action_space"] = describe_space(self.action_space)
+        return out
+
+
+def summarize(path: Path) -> DatasetSummary:
+    """Episodes, env steps, returns and spaces of a dataset, read through every episode once."""
+    files = parquet_files(path)
+    returns: list[float] = []
+    lengths: list[int] = []
+    finished = 0
+    spaces: tuple[Any, Any] = (None, None)
+    for episode in read_episodes(path):
+        returns.append(float(episode.get_return()))
+        lengths.append(len(episode))
+        finished += bool(episode.is_done)
+        if spaces == (None, None):
+            spaces = (episode.observation_space, episode.action_space)
+    if not returns:
+        raise UserError(f"{path}: the dataset holds no episodes")
+    return DatasetSummary(
+        episodes=len(returns), env_steps=sum(lengths), return_mean=sum(returns) / len(returns),
+        return_min=min(returns), return_max=max(returns), length_mean=sum(lengths) / len(lengths),
+        observation_space=spaces[0], action_space=spaces[1], files=len(files),
+        bytes=sum(f.stat().st_size for f in files), finished=finished,
+    )
+
+
+def play_episodes(checkpoint: Path, config: Any, episodes: int, explore: bool, seed: int,
+                  module_id: Any = None) -> list[SingleAgentEpisode]:
+    """A checkpoint's policy playing `episodes` whole episodes in one env, in this process, through RLlib's own
+    env runner (its connectors, its episodes: module-space actions, their log-probabilities and distribution
+    inputs), greedy or exploring. The episodes come as RLlib's recording runner keeps them (lists, not numpy)."""
+    from ray.rllib.env.single_agent_env_runner import SingleAgentEnvRunner
+
+    from rlplatform.adapter.algorithm_config import build_algorithm_config
+    from rlplatform.adapter.policy import load_inference_module
+
+    module = load_inference_module(checkpoint, module_id)
+    algo_config = build_algorithm_config(config.model_copy(update={"seed": seed}))
+    algo_config.env_runners(num_envs_per_env_runner=1, episodes_to_numpy=False)
+    runner = SingleAgentEnvRunner(config=algo_config)
+    try:
+        runner.module = module  # the trained policy in place of the freshly built one (the pipelines take it per call)
+        played = runner.sample(num_episodes=episodes, explore=explore)
+    finally:
+        runner.stop()
+    return [episode for episode in played if episode.is_done]
