@@ -161,3 +161,32 @@ def test_record_keeps_what_is_there_and_refuses_bad_input(trained_run, tmp_path)
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
     assert_user_error(run_cli("record", trained_run, "-o", tmp_path / "x", "--episodes", "0", timeout=120), "--episodes")
     assert_user_error(run_cli("record", tmp_path / "nowhere", "-o", tmp_path / "y", timeout=120), "no such run directory")
+
+
+@pytest.mark.slow
+def test_rllibs_offline_algorithm_trains_on_a_recording(trained_run, tmp_path):
+    """RLlib's BC reads `record`'s directory (dataset.json beside the Parquet file) through its own Ray Data reader
+    and trains on every recorded step."""
+    import ray
+    from ray.rllib.algorithms.bc import BCConfig
+
+    out = tmp_path / "dataset"
+    assert run_cli("record", trained_run, "-o", out, "--episodes", "5", timeout=300).returncode == 0
+    recorded = json.loads((out / "dataset.json").read_text())["env_steps"]
+    ray.init(address="local", num_cpus=2, include_dashboard=False)
+    try:
+        env = gym.make("CartPole-v1")
+        spaces = {"observation_space": env.observation_space, "action_space": env.action_space}
+        config = (BCConfig().environment("CartPole-v1", **spaces).env_runners(num_env_runners=0).learners(num_learners=0)
+                  .training(train_batch_size_per_learner=recorded)
+                  .offline_data(input_=[str(out.resolve())], input_read_episodes=True, input_read_batch_size=5,
+                                dataset_num_iters_per_learner=1, map_batches_kwargs={"concurrency": 1, "num_cpus": 0}))
+        algo = config.build_algo()
+        try:
+            learner = algo.train()["learners"]["default_policy"]
+        finally:
+            algo.stop()
+    finally:
+        ray.shutdown()
+    assert learner["num_module_steps_trained"] >= recorded
+    assert np.isfinite(learner["policy_loss"])
