@@ -76,12 +76,15 @@ def test_an_unfinished_episode_is_not_written(tmp_path):
     assert not (tmp_path / "part.parquet").exists()
 
 
-def test_data_info_reports_what_the_dataset_holds(tmp_path):
+def test_data_info_reports_what_the_dataset_holds(tmp_path, capsys):
+    from rlplatform.cli import main
+
     episodes = cartpole_episodes(7)
     offline_data.write_part(episodes[:4], tmp_path / "data" / "a.parquet")
     offline_data.write_part(episodes[4:], tmp_path / "data" / "sub" / "b.parquet")
-    result = run_cli("data", "info", tmp_path / "data", "--json", tmp_path / "info.json", timeout=120)
-    assert result.returncode == 0, result.stdout + result.stderr
+    code = main(["data", "info", str(tmp_path / "data"), "--json", str(tmp_path / "info.json")])  # the CLI's entry point
+    result = capsys.readouterr()
+    assert code == 0, result
     figures = json.loads((tmp_path / "info.json").read_text())
     returns = [e.get_return() for e in episodes]
     assert figures["episodes"] == figures["finished"] == 7
@@ -92,7 +95,7 @@ def test_data_info_reports_what_the_dataset_holds(tmp_path):
     assert figures["action_space"] == {"type": "Discrete", "n": 2, "start": 0}
     assert figures["files"] == 2
     assert figures["bytes"] == sum(p.stat().st_size for p in (tmp_path / "data").rglob("*.parquet"))
-    assert "7 episodes" in result.stdout and f"{sum(len(e) for e in episodes):,} env steps" in result.stdout
+    assert "7 episodes" in result.out and f"{sum(len(e) for e in episodes):,} env steps" in result.out
 
 
 def data_info_error(capsys, path: Path) -> str:
