@@ -193,6 +193,9 @@ def mutated_experiments(draw) -> tuple[str, str]:
 
 # Found by this test (a traceback in rlplatform/config/layouts.py): hypothesis tries it first, every run.
 @example(case=("cartpole_ppo", "env_config: {x: {1: a, b: c}}\n"))
+# Found by this test (a traceback where gymnasium built the external Box): a bound that is no array of numbers.
+@example(case=("cartpole_external_ppo", "env: external\nexternal:\n  observation_space: {type: Box, shape: [4], "
+                                        "low: [[], 0, 0, 0], high: 1}\n  action_space: {type: Discrete, n: 2}\n"))
 @fuzz(80)
 @given(case=mutated_experiments())
 def test_mutated_experiment_files(case, tmp_path):

@@ -200,7 +200,21 @@ class SpaceSpec(Section):
             raise ValueError("a Discrete space needs n")
         if self.type == "Box" and (not self.shape or any(d < 1 for d in self.shape) or self.low is None or self.high is None):
             raise ValueError("a Box space needs shape (positive sizes), low and high (a number or nested lists)")
+        if self.type == "Box":
+            for name in ("low", "high"):
+                _check_bound(name, getattr(self, name), self.shape or [])
         return self
+
+
+def _check_bound(name: str, value: Any, shape: list[int]) -> None:
+    """A Box bound gymnasium can take: a number, or nested lists of numbers that broadcast to the shape."""
+    import numpy as np
+
+    try:
+        np.broadcast_to(np.asarray(value, dtype=np.float64), shape)
+    except (ValueError, TypeError, OverflowError):
+        raise ValueError(f"a Box space's {name} must be a number or nested lists of numbers that fit its shape "
+                         f"{shape}") from None
 
 
 class ExternalSection(Section):
