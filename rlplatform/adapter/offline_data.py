@@ -70,9 +70,13 @@ def parquet_files(path: Path) -> list[Path]:
 
 def read_episodes(path: Path) -> Iterator[SingleAgentEpisode]:
     """Every episode of the dataset, file by file; a file that is not episodes in RLlib's form is named."""
+    return _read_files(parquet_files(path))
+
+
+def _read_files(files: list[Path]) -> Iterator[SingleAgentEpisode]:
     import pyarrow.parquet as pq
 
-    for file in parquet_files(path):
+    for file in files:
         try:
             parquet = pq.ParquetFile(file)
         except Exception as exc:  # truncated, or not Parquet at all
@@ -114,18 +118,23 @@ class DatasetSummary:
 def summarize(path: Path) -> DatasetSummary:
     """Episodes, env steps, returns and spaces of a dataset, read through every episode once."""
     files = parquet_files(path)
+    return summary_of(_read_files(files), files, source=path)
+
+
+def summary_of(episodes: Iterable[SingleAgentEpisode], files: list[Path], source: Path) -> DatasetSummary:
+    """The summary of these episodes, stored in these files (`source` names the dataset in an error)."""
     returns: list[float] = []
     lengths: list[int] = []
     finished = 0
     spaces: tuple[Any, Any] = (None, None)
-    for episode in read_episodes(path):
+    for episode in episodes:
         returns.append(float(episode.get_return()))
         lengths.append(len(episode))
         finished += bool(episode.is_done)
         if spaces == (None, None):
             spaces = (episode.observation_space, episode.action_space)
     if not returns:
-        raise UserError(f"{path}: the dataset holds no episodes")
+        raise UserError(f"{source}: the dataset holds no episodes")
     return DatasetSummary(
         episodes=len(returns), env_steps=sum(lengths), return_mean=sum(returns) / len(returns),
         return_min=min(returns), return_max=max(returns), length_mean=sum(lengths) / len(lengths),

@@ -55,12 +55,13 @@ def run(args: argparse.Namespace) -> int:
     if config.multi_agent is not None or config.env == "external":
         raise UserError(f"record plays single-agent runs on a Gymnasium env; {info.path} is "
                         f"{'multi-agent' if config.multi_agent is not None else 'on external simulators'}")
-    from rlplatform.adapter.offline_data import play_episodes, summarize, write_part
+    from rlplatform.adapter.offline_data import play_episodes, summary_of, write_part
     from rlplatform.export.spec import space_to_json
 
     episodes = play_episodes(info.path, config, args.episodes, args.stochastic, args.seed, args.policy)
-    write_part(episodes, args.output / PART_FILE)
-    summary = summarize(args.output)
+    part = args.output / PART_FILE
+    write_part(episodes, part)
+    summary = summary_of(episodes, [part], source=args.output)  # the episodes in hand: no second read of the file
     dataset = {"format": FORMAT, "env": config.env, "env_config": dict(config.env_config),
                "source": {"checkpoint": str(info.path.resolve()), "iteration": info.iteration, "env_steps": info.env_steps,
                           "algorithm": config.algorithm, "actions": "stochastic" if args.stochastic else "greedy",
