@@ -9,37 +9,19 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import gymnasium as gym
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import assert_user_error, only_run_dir, run_cli
+from conftest import ROOT, assert_user_error, only_run_dir, read_metrics, run_cli
+from episodes import play
 
 from rlplatform.adapter import offline_data
 
 
 def cartpole_episodes(count: int, seed: int = 0) -> list:
-    """Whole CartPole episodes of random actions, built with RLlib's episode API as its env runner builds them."""
-    from ray.rllib.env.single_agent_episode import SingleAgentEpisode
-
-    env = gym.make("CartPole-v1")
-    env.action_space.seed(seed)
-    episodes = []
-    for i in range(count):
-        obs, info = env.reset(seed=seed + i)
-        episode = SingleAgentEpisode(observation_space=env.observation_space, action_space=env.action_space)
-        episode.add_env_reset(observation=obs, infos=info)
-        done = False
-        while not done:
-            action = env.action_space.sample()
-            obs, reward, terminated, truncated, info = env.step(action)
-            episode.add_env_step(observation=obs, action=action, reward=reward, infos=info, terminated=terminated,
-                                 truncated=truncated, extra_model_outputs={"action_logp": np.float32(-0.69)})
-            done = terminated or truncated
-        episodes.append(episode)
-    env.close()
-    return episodes
+    """Whole CartPole episodes of random actions."""
+    return play("CartPole-v1", count, seed=seed)
 
 
 def test_episodes_come_back_as_they_were_written(tmp_path):
@@ -167,29 +149,17 @@ def test_record_keeps_what_is_there_and_refuses_bad_input(trained_run, tmp_path)
 
 
 @pytest.mark.slow
-def test_rllibs_offline_algorithm_trains_on_a_recording(trained_run, tmp_path):
-    """RLlib's BC reads `record`'s directory (dataset.json beside the Parquet file) through its own Ray Data reader
-    and trains on every recorded step."""
-    import ray
-    from ray.rllib.algorithms.bc import BCConfig
-
+def test_an_offline_run_trains_on_a_recording(trained_run, tmp_path):
+    """`train` with BC reads `record`'s directory (dataset.json beside the Parquet file) through RLlib's Ray Data
+    reader and trains on the recorded steps."""
     out = tmp_path / "dataset"
     assert run_cli("record", trained_run, "-o", out, "--episodes", "5", timeout=300).returncode == 0
     recorded = json.loads((out / "dataset.json").read_text())["env_steps"]
-    ray.init(address="local", num_cpus=2, include_dashboard=False)
-    try:
-        env = gym.make("CartPole-v1")
-        spaces = {"observation_space": env.observation_space, "action_space": env.action_space}
-        config = (BCConfig().environment("CartPole-v1", **spaces).env_runners(num_env_runners=0).learners(num_learners=0)
-                  .training(train_batch_size_per_learner=recorded)
-                  .offline_data(input_=[str(out.resolve())], input_read_episodes=True, input_read_batch_size=5,
-                                dataset_num_iters_per_learner=1, map_batches_kwargs={"concurrency": 1, "num_cpus": 0}))
-        algo = config.build_algo()
-        try:
-            learner = algo.train()["learners"]["default_policy"]
-        finally:
-            algo.stop()
-    finally:
-        ray.shutdown()
-    assert learner["num_module_steps_trained"] >= recorded
-    assert np.isfinite(learner["policy_loss"])
+    runs = tmp_path / "runs"
+    result = run_cli("train", ROOT / "experiments" / "cartpole_bc.yaml", "--runs-dir", runs, "--set", f"data.paths=[{out}]",
+                     "--set", "stop.iterations=1", "--set", "data.updates_per_iteration=1", "--set", "evaluation.episodes=1",
+                     "--set", f"training.train_batch_size_per_learner={recorded}", timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    (metrics,) = read_metrics(only_run_dir(runs, "cartpole-bc"))
+    assert metrics["env_steps"] == recorded
+    assert np.isfinite(metrics["learner/default_policy/policy_loss"])

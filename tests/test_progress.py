@@ -19,7 +19,7 @@ def test_plain_lines_keep_brackets():
 def test_the_start_line_escapes_the_env_and_the_cluster():
     scale = SimpleNamespace(learners=0, env_runners=0, envs_per_runner=8, vectorize="sync")
     config = SimpleNamespace(scale=scale, hardware=SimpleNamespace(gpus_per_learner=0), algorithm="PPO", env="my[/odd]:Env-v0",
-                             external=None)
+                             external=None, data=None)
     with console.stdout.capture() as captured:
         progress.print_start("runs/[x]", config, "2 CPUs")
     lines = captured.get().splitlines()

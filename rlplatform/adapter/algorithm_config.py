@@ -29,6 +29,10 @@ _CONFIG_CLASSES = {
     "IMPALA": ("ray.rllib.algorithms.impala", "IMPALAConfig"),
     "DQN": ("ray.rllib.algorithms.dqn", "DQNConfig"),
     "SAC": ("ray.rllib.algorithms.sac", "SACConfig"),
+    "BC": ("ray.rllib.algorithms.bc", "BCConfig"),
+    "MARWIL": ("ray.rllib.algorithms.marwil", "MARWILConfig"),
+    "CQL": ("ray.rllib.algorithms.cql", "CQLConfig"),
+    "IQL": ("ray.rllib.algorithms.iql", "IQLConfig"),
 }
 # Friendly spellings of RLlib's training kwargs.
 _TRAINING_ALIASES = {"lambda": "lambda_", "batch_size": "train_batch_size_per_learner"}
@@ -225,6 +229,26 @@ def check(config: ExperimentConfig) -> Optional[str]:
     return env_id
 
 
+def check_data(config: ExperimentConfig) -> None:
+    """An offline run's data, against its env's spaces (before a run starts; `evaluate` or `export` of the run's
+    checkpoints need no data). Raises UserError."""
+    from rlplatform.adapter.offline_data import check_dataset
+
+    if config.data is not None:
+        check_dataset(config.data.paths, config.data.columns, env_spaces(config), config.algorithm)
+
+
+def env_spaces(config: ExperimentConfig) -> tuple[Any, Any]:
+    """The experiment's env's (observation space, action space), from one env built here."""
+    from rlplatform.config.env_ids import make_env
+
+    env = make_env(config.env, **dict(config.env_config))
+    try:
+        return env.observation_space, env.action_space
+    finally:
+        env.close()
+
+
 def _check_samples_per_learner(config: ExperimentConfig) -> None:
     """APPO/IMPALA without aggregators hand each learner whole runner samples (RLlib shards the list of sample
     references): an update with fewer samples than learners leaves a learner none, and RLlib fails with an
@@ -325,6 +349,37 @@ def _external(algo_config: AlgorithmConfig, config: ExperimentConfig) -> None:
     algo_config.environment(env_config={SETTINGS_KEY: {
         "host": ext.host, "ports": list(ext.ports or []), "token_file": ext.token_file,
         "on_policy": config.algorithm == "PPO", "client_config": client_config, "stop_key": secrets.token_hex(16)}})
+
+
+def _offline(algo_config: AlgorithmConfig, config: ExperimentConfig) -> None:
+    """An offline algorithm reads `data` through RLlib's OfflineData (Ray Data): episodes in RLlib's format, or a
+    table of transitions through RLlib's `input_read_schema`. Its env only evaluates, in the main process."""
+    from rlplatform.adapter.offline_data import resolved_paths
+
+    data = config.data
+    assert data is not None
+    observation_space, action_space = env_spaces(config)
+    algo_config.environment(observation_space=observation_space, action_space=action_space)
+    algo_config.env_runners(num_env_runners=0, env_runner_cls=None)
+    algo_config.offline_data(
+        input_=resolved_paths(data.paths),
+        input_read_episodes=data.columns is None,
+        input_read_schema=dict(data.columns or {}),
+        # Counted in episodes; a table is read row by row in train batches (RLlib refuses a read batch size there).
+        **({"input_read_batch_size": data.read_batch_size} if data.columns is None else {}),
+        # Ray Data's PreLearner actors turn episodes into train batches outside the run's placement group, and
+        # RLlib asks 2 of a CPU each: on a small machine whose CPUs the run holds they would never start.
+        map_batches_kwargs={"concurrency": max(1, config.scale.learners), "num_cpus": 0},
+        dataset_num_iters_per_learner=data.updates_per_iteration,
+    )
+    algo_config.evaluation(evaluation_num_env_runners=0)
+    # One training step per iteration, so an iteration is `updates_per_iteration` updates (CQL, from SAC, would
+    # repeat its step for at least a second).
+    algo_config.reporting(min_time_s_per_iteration=None, min_sample_timesteps_per_iteration=0,
+                          min_train_timesteps_per_iteration=0)
+    if config.algorithm == "CQL" and "lr" not in config.training:
+        # RLlib 2.60's CQLConfig sets lr (3e-4) and its SAC checks refuse any: the actor, critic and alpha have their own.
+        algo_config.training(lr=None)
 
 
 def record_episode(*, episode: Any, metrics_logger: Any, prev_episode_chunks: Sequence[Any] = (),
@@ -434,6 +489,8 @@ def build_algorithm_config(config: ExperimentConfig,
         _multi_agent(algo_config, config)
     if config.external is not None:
         _external(algo_config, config)
+    if config.data is not None:
+        _offline(algo_config, config)
     if config.evaluation.interval:
         algo_config.evaluation(
             evaluation_interval=config.evaluation.interval,

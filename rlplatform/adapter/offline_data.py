@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Optional
 
 import gymnasium as gym
 from ray.rllib.env.single_agent_episode import SingleAgentEpisode
@@ -163,3 +163,106 @@ def play_episodes(checkpoint: Path, config: Any, episodes: int, explore: bool, s
     finally:
         runner.stop()
     return [episode for episode in played if episode.is_done]
+
+
+def is_uri(path: str) -> bool:
+    """A path with a scheme (s3://, gs://, local://): Ray Data reads it, the driver does not check it."""
+    return "://" in path
+
+
+def resolved_paths(paths: Iterable[str]) -> list[str]:
+    """The data paths as the run keeps them: local ones absolute (RLlib's reader and Ray's workers have their own
+    working directories), URIs as given."""
+    return [p if is_uri(p) else str(Path(p).expanduser().resolve()) for p in paths]
+
+
+def check_dataset(paths: list[str], columns: Optional[dict[str, str]], spaces: tuple[gym.Space, gym.Space],
+                  algorithm: str) -> None:
+    """Refuse, before Ray starts, data an offline run cannot learn from: missing or empty files, files that are not
+    Parquet, missing columns, observations or actions that do not fit the env's spaces. Reads each file's footer
+    and its first row, not the whole dataset. `spaces`: the env's (observation space, action space)."""
+    for path in paths:
+        if is_uri(path):
+            continue
+        for file in parquet_files(Path(path)):
+            first = _first_row(file, columns)
+            if columns is None:
+                _check_episode(file, decode(first[ITEM]), spaces)
+            else:
+                _check_transition(file, first, columns, spaces)
+    from rlplatform.config.schema import BOX_ACTION_ALGORITHMS
+
+    if algorithm in BOX_ACTION_ALGORITHMS and not isinstance(spaces[1], gym.spaces.Box):
+        raise UserError(f"{algorithm} learns a continuous (Box) action; the env's action space is {spaces[1]}")
+
+
+def _first_row(file: Path, columns: Optional[dict[str, str]]) -> dict[str, Any]:
+    """The file's first row, after checking that it is Parquet, has rows and holds the columns the reader takes."""
+    import pyarrow.parquet as pq
+
+    from rlplatform.config.schema import REQUIRED_TRANSITION_COLUMNS
+
+    try:
+        parquet = pq.ParquetFile(file)
+    except Exception as exc:  # truncated, or not Parquet at all
+        raise UserError(f"{file}: not a readable Parquet file ({type(exc).__name__}: {exc})") from None
+    names = parquet.schema_arrow.names
+    wanted = [ITEM] if columns is None else [columns.get(c, c) for c in REQUIRED_TRANSITION_COLUMNS]
+    missing = [c for c in wanted if c not in names]
+    if missing:
+        hint = ("not episodes in RLlib's format; a table of transitions needs data.columns" if columns is None
+                else "data.columns maps RLlib's names to the table's")
+        raise UserError(f"{file}: no column {missing[0]!r} ({hint}; columns: {', '.join(names) or 'none'})")
+    if parquet.metadata.num_rows == 0:
+        raise UserError(f"{file}: holds no rows")
+    try:
+        batch = next(parquet.iter_batches(batch_size=1, columns=wanted))
+        return {name: batch.column(i)[0].as_py() for i, name in enumerate(wanted)}
+    except Exception as exc:
+        raise UserError(f"{file}: cannot read its first row ({type(exc).__name__}: {exc})") from None
+
+
+def _check_episode(file: Path, episode: SingleAgentEpisode, spaces: tuple[gym.Space, gym.Space]) -> None:
+    for what, recorded, env_space in (("observation", episode.observation_space, spaces[0]),
+                                      ("action", episode.action_space, spaces[1])):
+        if recorded is not None and not same_kind(recorded, env_space):
+            raise UserError(f"{file}: recorded with {what} space {recorded}, the env's is {env_space}")
+    if not episode.is_done:
+        raise UserError(f"{file}: its first episode is not finished (offline readers take whole episodes only)")
+    _check_value(file, "observation", episode.get_observations(0), spaces[0])
+    if len(episode):
+        _check_value(file, "action", episode.get_actions(0), spaces[1])
+
+
+def _check_transition(file: Path, row: dict[str, Any], columns: dict[str, str],
+                      spaces: tuple[gym.Space, gym.Space]) -> None:
+    for name, space in (("obs", spaces[0]), ("new_obs", spaces[0]), ("actions", spaces[1])):
+        _check_value(file, f"column {columns.get(name, name)!r}", row[columns.get(name, name)], space)
+
+
+def _check_value(file: Path, what: str, value: Any, space: gym.Space) -> None:
+    """One recorded value against the env's space: the shape a Box holds, an integer a Discrete holds."""
+    import numpy as np
+
+    try:
+        array = np.asarray(value)
+    except Exception:
+        array = None
+    if isinstance(space, gym.spaces.Box):
+        ok = array is not None and array.dtype.kind in "fiub" and array.size == int(np.prod(space.shape))
+    elif isinstance(space, gym.spaces.Discrete):
+        ok = array is not None and array.size == 1 and array.dtype.kind in "iub" and space.contains(int(array.reshape(())))
+    else:  # Dict, Tuple, ...: RLlib's reader judges them
+        ok = True
+    if not ok:
+        shape = "?" if array is None else f"{array.dtype} {list(array.shape)}"
+        raise UserError(f"{file}: its first {what} ({shape}) does not fit the env's space {space}")
+
+
+def same_kind(a: gym.Space, b: gym.Space) -> bool:
+    """Two spaces an episode can pass between: the same type, and the same shape (Box) or size (Discrete)."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, gym.spaces.Discrete):
+        return bool(a.n == b.n)
+    return a.shape == b.shape

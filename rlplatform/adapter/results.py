@@ -58,11 +58,15 @@ def start_timers_afresh(algo) -> None:
     algo.metrics.delete(TIMERS, key_error=False)
 
 
-def from_rllib_result(result: dict[str, Any], epochs_per_batch: int = 1) -> dict[str, Any]:
+def from_rllib_result(result: dict[str, Any], epochs_per_batch: int = 1, offline: bool = False) -> dict[str, Any]:
     """Flatten one `Algorithm.train()` result into our names (runs inside the algorithm host).
 
     `epochs_per_batch`: RLlib counts a sample once per epoch it is trained in; we count it once.
+    `offline`: the algorithm learns from recorded data (`data`): env steps are the recorded steps it has trained on,
+    and the episodes are its evaluation's (greedy) ones.
     """
+    if offline:
+        return _offline_result(result)
     runners = result.get("env_runners") or {}
     timers = result.get("timers") or {}
     iteration_s = _number(result.get("time_this_iter_s")) or 0.0
@@ -100,6 +104,12 @@ def from_rllib_result(result: dict[str, Any], epochs_per_batch: int = 1) -> dict
     if isinstance(per_module, dict) and set(per_module) - {"default_policy"}:
         for module, value in per_module.items():
             out[f"return/{module}/mean"] = _number(value)
+    out.update(_learner_metrics(result))
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def _learner_metrics(result: dict[str, Any]) -> dict[str, float]:
+    out: dict[str, float] = {}
     for module, stats in (result.get("learners") or {}).items():
         if module == "__all_modules__" or not isinstance(stats, dict):
             continue
@@ -108,4 +118,27 @@ def from_rllib_result(result: dict[str, Any], epochs_per_batch: int = 1) -> dict
             if number is None or name.startswith(_LEARNER_SKIP_PREFIXES):
                 continue
             out[f"learner/{module}/{_LEARNER_RENAMES.get(name, name)}"] = number
+    return out
+
+
+def _offline_result(result: dict[str, Any]) -> dict[str, Any]:
+    """An offline algorithm's result: no env runners sample, so env steps count the recorded env steps trained on
+    (RLlib's learner lifetime count), and the evaluation's episodes feed the return window."""
+    timers = result.get("timers") or {}
+    evaluation = _get(result, "evaluation", "env_runners") or {}
+    iteration_s = _number(result.get("time_this_iter_s")) or 0.0
+    trained = _number(_get(result, "learners", "__all_modules__", "num_env_steps_trained")) or 0.0
+    out: dict[str, Any] = {
+        "iteration": int(result.get("training_iteration", 0)),
+        ENV_STEPS: int(_number(_get(result, "learners", "__all_modules__", "num_env_steps_trained_lifetime")) or 0),
+        "episode_returns": [float(x) for x in _as_list(evaluation.get(EPISODE_RETURNS))],
+        "episode_lengths": [int(x) for x in _as_list(evaluation.get(EPISODE_LENGTHS))],
+        "throughput/env_steps_trained_per_s": trained / iteration_s if iteration_s else None,
+        "time/iteration_s": iteration_s,
+        "time/sample_s": _number(timers.get("offline_sampling_timer")),
+        "time/learn_s": _number(timers.get("learner_update_timer")),
+        "eval/return_mean": _number(evaluation.get("episode_return_mean")),
+        "eval/episode_length_mean": _number(evaluation.get("episode_len_mean")),
+        **_learner_metrics(result),
+    }
     return {k: v for k, v in out.items() if v is not None}

@@ -59,8 +59,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def seed_result(seed: int, run: TrainingRun) -> dict[str, Any]:
-    # train stops at the first iteration whose 100-episode mean reached the target.
-    solved_at = run.metrics[-1] if run.metrics and run.stop_line.startswith("stopped: return/mean") else None
+    # train stops at the first iteration whose 100-episode mean (an offline run: whose evaluation) reached the target.
+    solved_at = (run.metrics[-1] if run.metrics and run.stop_line.startswith(("stopped: return/mean", "stopped: eval/return_mean"))
+                 else None)
     startup = run.manifest.get("startup", {})
     last = run.metrics[-1] if run.metrics else {}
     return {
@@ -70,6 +71,7 @@ def seed_result(seed: int, run: TrainingRun) -> dict[str, Any]:
         "env_steps_to_solve": solved_at["env_steps"] if solved_at else None,
         "iterations": last.get("iteration"),
         "final_return_mean": last.get("return/mean"),
+        "final_eval_return_mean": last.get("eval/return_mean"),
         "env_steps": last.get("env_steps"),
         "command_s": run.command_s,  # to exit: includes the final checkpoint and Ray's shutdown
         "startup": startup,

@@ -18,16 +18,8 @@ from typing import Any, Optional
 from rlplatform import console
 from rlplatform.config.schema import ExperimentConfig, validate
 from rlplatform.errors import UserError
-from rlplatform.run.checkpoints import (
-    CheckpointInfo,
-    best_first,
-    checked,
-    first_usable,
-    list_checkpoints,
-    newest_first,
-    read_checkpoint,
-)
-from rlplatform.run.run_dir import CONFIG_FILE, check_writable
+from rlplatform.run.checkpoints import find_checkpoint
+from rlplatform.run.run_dir import check_writable
 
 
 def add_parser(subparsers: Any) -> None:  # argparse's sub-parsers action
@@ -44,26 +36,6 @@ def add_parser(subparsers: Any) -> None:  # argparse's sub-parsers action
     p.add_argument("--policy", help="policy (module) id; default: the only or default policy")
     p.add_argument("--env", metavar="ID", help="env of an exported model file with no export.json beside it")
     p.set_defaults(func=run)
-
-
-def find_checkpoint(target: Path, which: str = "best", policy: Optional[str] = None) -> CheckpointInfo:
-    """A named checkpoint, whole and loadable; or a run directory's best (or latest) checkpoint that
-    verifies and loads, newer or better ones that do not skipped and named."""
-    if not target.exists():
-        raise UserError(f"no such run directory or checkpoint: {target}")
-
-    def loads(info: CheckpointInfo) -> None:
-        from rlplatform.adapter.policy import check_loads
-
-        check_loads(info.path, policy)
-
-    if (target / "rllib_checkpoint.json").exists() or target.name.startswith("checkpoint_"):
-        return checked(read_checkpoint(target), loads)
-    if not (target / CONFIG_FILE).is_file():
-        raise UserError(f"not a run directory or checkpoint: {target}")
-    checkpoints = list_checkpoints(target / "checkpoints")
-    order = best_first(checkpoints) if which == "best" else newest_first(checkpoints)
-    return first_usable(order, loads, target / "checkpoints")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -26,9 +26,9 @@ def add_parser(subparsers: Any) -> None:  # argparse's sub-parsers action
 
 
 def run(args: argparse.Namespace) -> int:
-    from rlplatform.commands.evaluate import find_checkpoint
     from rlplatform.config.schema import validate
     from rlplatform.export.writer import export_checkpoint
+    from rlplatform.run.checkpoints import find_checkpoint
     from rlplatform.run.tracking import log_export
 
     check_writable(args.output)

@@ -41,7 +41,8 @@ def add_parser(subparsers: Any) -> None:  # argparse's sub-parsers action
 
 
 def run(args: argparse.Namespace) -> int:
-    from rlplatform.commands.evaluate import find_checkpoint, is_export
+    from rlplatform.commands.evaluate import is_export
+    from rlplatform.run.checkpoints import find_checkpoint
 
     if args.episodes < 1:
         raise UserError(f"--episodes must be at least 1, not {args.episodes}")

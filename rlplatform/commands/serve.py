@@ -97,8 +97,9 @@ def _check_options(args: argparse.Namespace, token: Optional[str]) -> None:
 
 def _exports(target: Path, which: str, work: Path) -> tuple[dict[str, Path], dict[str, Any]]:
     """Export directories by mode, and the version the replies carry: a checkpoint exported greedy and stochastic."""
-    from rlplatform.commands.evaluate import find_checkpoint, is_export
+    from rlplatform.commands.evaluate import is_export
     from rlplatform.export.spec import SPEC_FILE
+    from rlplatform.run.checkpoints import find_checkpoint
 
     if is_export(target):
         if not (target / SPEC_FILE).is_file():
@@ -188,8 +189,7 @@ def _newer_checkpoint(args: argparse.Namespace, version: dict[str, Any], work: P
 
     A checkpoint that does not verify, load or export (one being written, or removed by the run's retention
     meanwhile) is named in one line and tried again at the next look; the one served stays."""
-    from rlplatform.commands.evaluate import find_checkpoint
-    from rlplatform.run.checkpoints import best_first, list_checkpoints, newest_first
+    from rlplatform.run.checkpoints import best_first, find_checkpoint, list_checkpoints, newest_first
 
     listed = list_checkpoints(args.target / "checkpoints")
     ordered = best_first(listed) if args.checkpoint == "best" else newest_first(listed)

@@ -16,7 +16,10 @@ from rlplatform.config.search import SearchSection
 from rlplatform.errors import UserError, did_you_mean
 
 SCHEMA_VERSION: Final = 1
-ALGORITHMS = ("PPO", "APPO", "IMPALA", "DQN", "SAC")
+ALGORITHMS = ("PPO", "APPO", "IMPALA", "DQN", "SAC", "BC", "MARWIL", "CQL", "IQL")
+# They learn from recorded episodes (the `data` section), not from env runners; the env, where named, evaluates.
+OFFLINE_ALGORITHMS = ("BC", "MARWIL", "CQL", "IQL")
+BOX_ACTION_ALGORITHMS = ("CQL", "IQL")  # RLlib 2.60's CQL and IQL modules take a Box action only
 ASYNCHRONOUS_ALGORITHMS = ("APPO", "IMPALA")  # they learn while their env runners sample
 AGGREGATOR_ALGORITHMS = ("APPO", "IMPALA")  # RLlib's training steps that use aggregator actors (scale.aggregators_per_learner)
 DEFAULT_PROFILE = "auto"
@@ -233,6 +236,38 @@ class ExternalSection(Section):
     sample_timeout_s: float = Field(30.0, gt=0)
 
 
+class DataSection(Section):
+    """What an offline algorithm learns from: Parquet files or directories of them (read by Ray Data, recursively)."""
+
+    # Episodes in RLlib's offline format (`rlplatform record`, RLlib's recording runner); with `columns`, a table
+    # of transitions, one row per env step. Relative paths are taken from the directory `train` runs in.
+    paths: list[str] = Field(min_length=1)
+    # A table not written by RLlib: RLlib's column name -> the table's (RLlib's `input_read_schema`), e.g.
+    # {obs: observation, actions: action, new_obs: next_observation}; the columns not named keep RLlib's names.
+    columns: Optional[dict[str, str]] = None
+    # Episodes per read batch of Ray Data (episode data only). RLlib's PreLearner turns each read batch into one train
+    # batch (sampled from the episodes it has read so far), and when Ray Data has passed over the files it starts
+    # them again, PreLearner actor and all (6-12 s on 2 cores): one episode per read makes that pass as long as can be.
+    read_batch_size: int = Field(1, ge=1)
+    # Train batches each learner updates on per iteration (RLlib's dataset_num_iters_per_learner): more makes the
+    # evaluation, metrics and checkpoint of each iteration a smaller share of the run.
+    updates_per_iteration: int = Field(1, ge=1)
+
+    @field_validator("columns")
+    @classmethod
+    def _known_columns(cls, value: Optional[dict[str, str]]) -> Optional[dict[str, str]]:
+        for name in value or {}:
+            if name not in TRANSITION_COLUMNS:
+                raise ValueError(f"{name!r} is not one of RLlib's columns{did_you_mean(name, TRANSITION_COLUMNS)}; "
+                                 f"known: {', '.join(TRANSITION_COLUMNS)}")
+        return value
+
+
+# RLlib's names for a table of transitions (`offline_prelearner.SCHEMA`): which of them a table must hold.
+TRANSITION_COLUMNS = ("obs", "actions", "rewards", "new_obs", "terminateds", "truncateds", "eps_id", "t", "infos")
+REQUIRED_TRANSITION_COLUMNS = ("obs", "actions", "rewards", "new_obs", "terminateds")
+
+
 class ExperimentConfig(Section):
     version: Literal[1] = SCHEMA_VERSION
     name: str = Field("experiment", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
@@ -251,6 +286,10 @@ class ExperimentConfig(Section):
     tracking: TrackingSection = Field(default_factory=TrackingSection)
     multi_agent: Optional[MultiAgentSection] = None
     external: Optional[ExternalSection] = None
+    data: Optional[DataSection] = None  # BC, MARWIL, CQL, IQL: the recorded episodes they learn from
+    # A run directory (its best checkpoint that verifies) or a checkpoint: the policy starts from its weights
+    # (adapter/init_weights.py), e.g. PPO from a BC run. The run keeps the checkpoint it took, as a path.
+    init_from: Optional[str] = Field(None, min_length=1)
     rllib: dict[str, dict[str, Any]] = Field(default_factory=dict)
     # The speed-ups that reach into Ray's and RLlib's internals (rlplatform/internals, docs/internals.md);
     # false: the run is plain RLlib. On a Ray release they were not verified on they switch themselves off.
@@ -326,6 +365,9 @@ def validate(data: dict[str, Any], source: str = "config") -> ExperimentConfig:
         if getattr(config.scale, key) > MAX_ACTORS:
             raise UserError(f"{source}: scale.{key} = {_show(getattr(config.scale, key))}: at most {MAX_ACTORS:,}")
     _check_external(config, source)
+    _check_offline(config, source)
+    if config.init_from is not None and config.multi_agent is not None:
+        raise UserError(f"{source}: init_from starts one policy from a checkpoint's; it does not go with multi_agent")
     if config.scale.aggregators_per_learner and config.algorithm not in AGGREGATOR_ALGORITHMS:
         raise UserError(f"{source}: scale.aggregators_per_learner = {config.scale.aggregators_per_learner}: only "
                         f"{' and '.join(AGGREGATOR_ALGORITHMS)} use aggregator actors, not {config.algorithm} "
@@ -369,6 +411,28 @@ def _check_external(config: ExperimentConfig, source: str) -> None:
     host = config.external.host
     if not is_loopback(host) and not config.external.token_file:
         raise UserError(f"{source}: external.host {host} is reachable from other machines: give external.token_file")
+
+
+def _check_offline(config: ExperimentConfig, source: str) -> None:
+    """An offline algorithm learns from the `data` section, and only an offline algorithm has one."""
+    offline = config.algorithm in OFFLINE_ALGORITHMS
+    if offline != (config.data is not None):
+        raise UserError(f"{source}: algorithm {config.algorithm} " + (
+            "learns from recorded data: give the `data` section (data.paths: the Parquet files or directories)"
+            if offline else f"learns from its env runners, not from a `data` section (offline: {', '.join(OFFLINE_ALGORITHMS)})"))
+    if not offline:
+        return
+    problem = ("multi_agent" if config.multi_agent is not None else
+               "env: external" if config.external is not None else
+               "model.use_lstm" if config.model.use_lstm else
+               "stop.return_mean without evaluation.interval (an offline run's return is its evaluation's)"
+               if config.stop.return_mean is not None and not config.evaluation.interval else None)
+    if problem:
+        raise UserError(f"{source}: algorithm {config.algorithm} (offline) does not go with {problem}")
+    if config.algorithm == "CQL" and config.data is not None and config.data.updates_per_iteration == 1 and not config.scale.learners:
+        # RLlib 2.60's CQL training step hands a local learner one batch where the learner takes iterators (KeyError: 0).
+        raise UserError(f"{source}: CQL with the learner in the main process needs data.updates_per_iteration of 2 or "
+                        "more (RLlib 2.60's CQL fails on 1)")
 
 
 def _deeper_than(data: Any, limit: int) -> Optional[str]:

@@ -60,7 +60,8 @@ def active(config: Any, local_instance: bool) -> list[str]:
     names = ["torch_seed", "connector_frames", "episode_return"]
     if local_instance:
         names.insert(0, "local_node")
-    if config.multi_agent is None and config.env != "external":  # an external run's runners are its own
+    # An external run's runners are its own; an offline run (`data`) evaluates with RLlib's.
+    if config.multi_agent is None and config.env != "external" and config.data is None:
         names += ["lean_env_runner", "packed_episodes", "columnar_fragments"]
     if numpy_policy_applies(config):
         names.append("slim_env_runner")
@@ -86,7 +87,7 @@ def install_in_process() -> None:
 def env_runner_class(config: Any) -> Optional[type]:
     """The lean env runner for single-agent experiments (it falls back to RLlib's path where it does not apply);
     the torch-free env runner (`SlimEnvRunner`: remote runners act with a numpy policy) where `numpy_policy_applies`."""
-    if config.multi_agent is not None:
+    if config.multi_agent is not None or config.data is not None:  # offline: its runner only evaluates
         return None
     if numpy_policy_applies(config):
         from rlplatform.internals.slim_env_runner import SlimEnvRunner

@@ -12,6 +12,7 @@ loop, the logs and the signals and calls the same `AlgorithmHost` methods throug
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any, Optional, Union
 
 import ray
@@ -40,12 +41,22 @@ class AlgorithmHost:
         # rlplatform/Faulty-v0 injects no faults here (envs/faults.py).
         os.environ[ALGORITHM_HOST_ENV] = "1"
         self._epochs = algorithm_config.epochs_per_batch(config)
+        self._offline = config.data is not None
         self.algo = algorithm_config.build_algorithm_config(config, main_process_resources).build_algo()
+        self.initialized: list[str] = []
+        if config.init_from:
+            from rlplatform.adapter.init_weights import start_from
+
+            self.initialized = start_from(self.algo, Path(config.init_from))
+
+    def initialized_from(self) -> list[str]:
+        """The module's tensors that `init_from` gave their starting values."""
+        return self.initialized
 
     def train(self) -> dict[str, Any]:
         from rlplatform.adapter.results import from_rllib_result, start_timers_afresh
 
-        result = from_rllib_result(self.algo.train(), self._epochs)
+        result = from_rllib_result(self.algo.train(), self._epochs, offline=self._offline)
         start_timers_afresh(self.algo)
         return result
 

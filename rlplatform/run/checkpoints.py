@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterable, Optional
 
 from rlplatform.adapter.policy import is_rllib_checkpoint
 from rlplatform.errors import UserError
-from rlplatform.run.run_dir import library_versions
+from rlplatform.run.run_dir import CONFIG_FILE, library_versions
 
 MARKER = "rlplatform_checkpoint.json"
 PREFIX = "checkpoint_"
@@ -221,3 +221,23 @@ def latest_checkpoint(run_dir: Path) -> CheckpointInfo:
     if not checkpoints:
         raise UserError(f"no complete checkpoint in {run_dir / 'checkpoints'}")
     return checkpoints[-1]
+
+
+def find_checkpoint(target: Path, which: str = "best", policy: Optional[str] = None) -> CheckpointInfo:
+    """A named checkpoint, whole and loadable; or a run directory's best (or latest) checkpoint that
+    verifies and loads, newer or better ones that do not skipped and named."""
+    if not target.exists():
+        raise UserError(f"no such run directory or checkpoint: {target}")
+
+    def loads(info: CheckpointInfo) -> None:
+        from rlplatform.adapter.policy import check_loads
+
+        check_loads(info.path, policy)
+
+    if (target / "rllib_checkpoint.json").exists() or target.name.startswith("checkpoint_"):
+        return checked(read_checkpoint(target), loads)
+    if not (target / CONFIG_FILE).is_file():
+        raise UserError(f"not a run directory or checkpoint: {target}")
+    checkpoints = list_checkpoints(target / "checkpoints")
+    order = best_first(checkpoints) if which == "best" else newest_first(checkpoints)
+    return first_usable(order, loads, target / "checkpoints")

@@ -49,9 +49,11 @@ class StopFlag:
 
 
 def stop_reason(config: ExperimentConfig, metrics: dict[str, Any], window_full: bool, wall_s: float) -> Optional[str]:
+    """`window_full`: the 100-episode window is; an offline run (no episodes of its own) goes by its latest evaluation."""
     stop = config.stop
-    if stop.return_mean is not None and window_full and metrics.get("return/mean", float("-inf")) >= stop.return_mean:
-        return f"return/mean {metrics['return/mean']:.2f} >= {stop.return_mean:g}"
+    key, ready = ("eval/return_mean", True) if config.data is not None else ("return/mean", window_full)
+    if stop.return_mean is not None and ready and metrics.get(key, float("-inf")) >= stop.return_mean:
+        return f"{key} {metrics[key]:.2f} >= {stop.return_mean:g}"
     if stop.env_steps is not None and metrics["env_steps"] >= stop.env_steps:
         return f"env steps {metrics['env_steps']:,} >= {stop.env_steps:,}"
     if stop.iterations is not None and metrics["iteration"] >= stop.iterations:
@@ -211,9 +213,13 @@ def _start_host(plan: Plan, resume_from: Optional[CheckpointInfo], record_placem
     from rlplatform.run.algorithm_host import HostFailed
 
     host = None
+    # `init_from` gives a fresh run its first weights; a restored one has its own.
+    config = plan.config if resume_from is None else plan.config.model_copy(update={"init_from": None})
     try:
-        host = algorithm_host.start(plan.config, plan.bundles, plan.main_process_resources, plan.resources.describe(),
+        host = algorithm_host.start(config, plan.bundles, plan.main_process_resources, plan.resources.describe(),
                                     in_driver=plan.algorithm_in_driver)
+        if config.init_from:
+            _say_init_from(plan.require_run_dir(), config.init_from, host.call("initialized_from"))
         if record_placement:
             rundir.record_start(plan.require_run_dir(), "placement", {"algorithm_node": host.call("node_id"), "algorithm_in": host.where,
                                                             "env_runner_nodes": host.call("env_runner_nodes"),
@@ -225,6 +231,11 @@ def _start_host(plan: Plan, resume_from: Optional[CheckpointInfo], record_placem
             host.close()
         raise TrainingFailed(f"the algorithm could not be built: {exc}") from None
     return host
+
+
+def _say_init_from(run_dir: Path, checkpoint: str, tensors: list[str]) -> None:
+    rundir.record_start(run_dir, "init_from", {"checkpoint": checkpoint, "tensors": tensors})
+    console.say(f"init_from: {len(tensors)} tensors of the policy from {checkpoint}")
 
 
 def _say_replay_buffer(state: Optional[dict[str, Any]]) -> None:

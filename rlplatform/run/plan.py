@@ -43,13 +43,21 @@ def make_plan(resolved: ResolvedExperiment, resources: Resources, joined_cluster
     from rlplatform.config import layouts, step_cost
 
     config = speedups.gated(resolved.config)  # the version gate decides once, here, for every process of the run
+    if config.data is not None:  # the run's config.yaml keeps them absolute: a resume reads the same data from anywhere
+        from rlplatform.adapter.offline_data import resolved_paths
+
+        config = config.model_copy(update={"data": config.data.model_copy(update={"paths": resolved_paths(config.data.paths)})})
     algorithm_config.check(config)
+    algorithm_config.check_data(config)
+    if config.init_from is not None and resize:  # a resume restores its own checkpoint instead
+        config = config.model_copy(update={"init_from": init_checkpoint(config)})
     layout_note = envs_note = None
     measured = None
     if config.external is not None and config.external.ports is None:
         config = _with_external_ports(config)
-    # A resumed run keeps the size it was started with; an external run's size is its simulators'.
-    if config.profile == "auto" and resize and config.external is None:
+    # A resumed run keeps the size it was started with; an external run's size is its simulators'; an offline run
+    # samples nothing.
+    if config.profile == "auto" and resize and config.external is None and config.data is None:
         config = size_to_cluster(config, resources, resolved.explicit_keys)
         config, layout_note = layouts.apply_best_layout(config, resources.cpus, resources.gpus, resolved.given_keys)
         if layout_note is None:  # no cached layout for this machine and env: measure the env's step cost
@@ -63,6 +71,23 @@ def make_plan(resolved: ResolvedExperiment, resources: Resources, joined_cluster
     return Plan(config=config, resources=resources, bundles=bundles, main_process_resources=main_resources,
                 layout_note=layout_note, envs_choice=envs_choice, envs_note=envs_note,
                 algorithm_in_driver=runs_algorithm_in_driver(config, bundles, joined_cluster))
+
+
+def init_checkpoint(config: ExperimentConfig) -> str:
+    """`init_from` as the checkpoint it names (a run directory's best that verifies and loads), checked against this
+    run's env and network widths before Ray starts; the checkpoint's absolute path."""
+    from rlplatform.run.checkpoints import find_checkpoint
+
+    assert config.init_from is not None
+    info = find_checkpoint(Path(config.init_from).expanduser(), "best")
+    source = info.meta.get("config") or {}
+    if source.get("env") not in (None, config.env):
+        raise UserError(f"init_from {info.path}: its policy was trained on {source['env']}, this run is on {config.env}")
+    hidden = (source.get("model") or {}).get("hidden")
+    if hidden is not None and list(hidden) != list(config.model.hidden):
+        raise UserError(f"init_from {info.path}: its network's hidden layers are {hidden}, this run's model.hidden is "
+                        f"{config.model.hidden}: they must agree for its weights to fit")
+    return str(info.path.resolve())
 
 
 def runs_algorithm_in_driver(config: ExperimentConfig, bundles: list[dict[str, float]], joined_cluster: bool) -> bool:

@@ -17,7 +17,7 @@ def iteration_line(m: dict[str, Any], expected_runners: int) -> str:
     return (
         f"[bold]it {m['iteration']:>4}[/]  steps {m['env_steps']:>9,}  "
         f"return [cyan]{fmt(m.get('return/mean'), '8.2f', '       -')}[/]  "
-        f"{fmt(m.get('throughput/env_steps_sampled_per_s'), '7,.0f')} steps/s  "
+        f"{fmt(m.get('throughput/env_steps_sampled_per_s', m.get('throughput/env_steps_trained_per_s')), '7,.0f')} steps/s  "
         f"sample {fmt(m.get('time/sample_s'), '5.2f')}s learn {fmt(m.get('time/learn_s'), '5.2f')}s  "
         f"runners {runners}"
         + (f"  eval {fmt(m.get('eval/return_mean'), '.2f')}" if "eval/return_mean" in m else "")
@@ -36,6 +36,8 @@ def print_start(run_dir: Path, config: ExperimentConfig, resources: str) -> None
                 else f"sampling in the main process, {scale.envs_per_runner} envs ({scale.vectorize})")
     if config.external is not None:
         sampling = f"{scale.env_runners} simulator(s) outside Ray"
+    if config.data is not None:
+        sampling = f"learning from {', '.join(config.data.paths)} (the env evaluates)"
     stdout.print(f"[bold]rlplatform[/] {escape(f'{config.algorithm} on {config.env}: {sampling}, {learners}{gpu}; cluster: {resources}')}")
     say(f"run directory: {run_dir}")
     if config.external is not None:
