@@ -9,8 +9,11 @@ import numpy as np
 
 
 def play(env_id: str, count: int, policy: Optional[Callable[[np.ndarray], Any]] = None, seed: int = 0) -> list:
-    """`count` finished episodes; `policy(observation) -> action`, uniform random actions where None."""
+    """`count` finished episodes; `policy(observation) -> action`, uniform random actions where None. A Box action
+    is kept as RLlib's env runner keeps it, in the module's space ([-1, 1] for a bounded Box)."""
     from ray.rllib.env.single_agent_episode import SingleAgentEpisode
+
+    from rlplatform.adapter.minari_data import module_action
 
     env = gym.make(env_id)
     env.action_space.seed(seed)
@@ -23,7 +26,7 @@ def play(env_id: str, count: int, policy: Optional[Callable[[np.ndarray], Any]] 
         while not done:
             action = env.action_space.sample() if policy is None else policy(obs)
             obs, reward, terminated, truncated, info = env.step(action)
-            episode.add_env_step(observation=obs, action=action, reward=reward, infos=info, terminated=terminated,
+            episode.add_env_step(observation=obs, action=module_action(action, env.action_space), reward=reward, infos=info, terminated=terminated,
                                  truncated=truncated, extra_model_outputs={"action_logp": np.float32(-0.69)})
             done = terminated or truncated
         episodes.append(episode)

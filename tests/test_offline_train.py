@@ -32,6 +32,60 @@ def expert_data(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.fixture(scope="module")
+def minari_root(tmp_path_factory) -> Path:
+    """Minari's datasets directory holding two datasets made by Minari's own DataCollector: 5 CartPole expert
+    episodes (`cartpole/expert-v0`) and 2 Pendulum episodes of random actions (`pendulum/random-v0`)."""
+    import gymnasium as gym
+    from minari import DataCollector
+
+    root = tmp_path_factory.mktemp("minari")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MINARI_DATASETS_PATH", str(root))
+        for env_id, dataset_id, count, policy in (("CartPole-v1", "cartpole/expert-v0", 5, cartpole_expert),
+                                                  ("Pendulum-v1", "pendulum/random-v0", 2, None)):
+            env = DataCollector(gym.make(env_id), record_infos=False)
+            env.action_space.seed(0)
+            for i in range(count):
+                obs, _ = env.reset(seed=i)
+                done = False
+                while not done:
+                    obs, _, terminated, truncated, _ = env.step(env.action_space.sample() if policy is None else policy(obs))
+                    done = terminated or truncated
+            env.create_dataset(dataset_id=dataset_id, algorithm_name="tests", author="tests", description="tests",
+                               author_email="tests@example.invalid", eval_env=env_id)
+            env.close()
+    return root
+
+
+@pytest.mark.slow  # no Ray, but Minari's collector (jax) and the conversion take seconds
+def test_a_minari_dataset_is_converted_once_to_rllibs_format(minari_root, tmp_path, capsys, monkeypatch):
+    import minari
+    from ray.rllib.utils.spaces.space_utils import normalize_action
+
+    monkeypatch.setenv("MINARI_DATASETS_PATH", str(minari_root))
+    monkeypatch.setenv("RLPLATFORM_CACHE_DIR", str(tmp_path / "cache"))
+    config = printed_config(capsys, BC, "--set", "data={minari: cartpole/expert-v0}")
+    (converted,) = config["data"]["paths"]
+    assert converted.startswith(str(tmp_path / "cache" / "minari"))
+    summary = offline_data.summarize(Path(converted))
+    assert (summary.episodes, summary.env_steps, summary.return_mean) == (5, 2500, 500.0)
+    written = {p: p.stat().st_mtime_ns for p in Path(converted).iterdir()}
+    assert printed_config(capsys, BC, "--set", "data={minari: cartpole/expert-v0}")["data"]["paths"] == [converted]
+    assert {p: p.stat().st_mtime_ns for p in Path(converted).iterdir()} == written  # not converted again
+    # Box actions as RLlib's recordings keep them: in the module's space, [-1, 1] for Pendulum's [-2, 2]
+    source = minari.load_dataset("pendulum/random-v0")
+    config = printed_config(capsys, BC, "--set", "env=Pendulum-v1", "--set", "data={minari: pendulum/random-v0}")
+    episodes = list(offline_data.read_episodes(Path(config["data"]["paths"][0])))
+    recorded = next(source.iterate_episodes())
+    assert len(episodes) == 2 and len(episodes[0]) == len(recorded.rewards) == 200
+    np.testing.assert_allclose(np.asarray(episodes[0].get_actions()),
+                               normalize_action(recorded.actions, source.action_space), rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(episodes[0].get_observations()), recorded.observations)
+    assert "no local Minari dataset 'cartpole/other-v0'" in cli_error(capsys, BC, "--set", "data={minari: cartpole/other-v0}")
+    assert "give paths" in cli_error(capsys, BC, "--set", "data={updates_per_iteration: 2}")
+
+
 def cli_error(capsys, *args: str) -> str:
     """`train ARGS --print-config` in this process: exit code 2 and one line `error: ...`, before Ray starts."""
     import ray
@@ -66,7 +120,8 @@ def test_the_data_paths_are_kept_absolute(expert_data, capsys, monkeypatch):
     (["evaluation.interval=0"], "stop.return_mean without evaluation.interval"),
     (["model.use_lstm=true"], "does not go with model.use_lstm"),
     (["data.columns={obs: o, action: a}"], "'action' is not one of RLlib's columns (did you mean 'actions'?)"),
-    (["data.paths=[]"], "data.paths"),
+    (["data.paths=[]"], "data.paths = []: List should have at least 1 item"),
+    (["env_config={nope: 1}"], "could not be built here to read its spaces"),
     (["algorithm=CQL", "data.updates_per_iteration=1"], "CQL with the learner in the main process needs data.updates_per_iteration"),
 ])
 def test_offline_settings_that_do_not_go_together_are_refused(expert_data, capsys, overrides, fragment):
@@ -89,6 +144,8 @@ def test_data_an_offline_run_cannot_learn_from_is_refused(expert_data, tmp_path,
     assert "holds no rows" in error(tmp_path / "none.parquet")
     pq.write_table(pa.table({"obs": [1.0]}), tmp_path / "table.parquet")
     assert "no column 'item'" in error(tmp_path / "table.parquet") and "data.columns" in error(tmp_path / "table.parquet")
+    pq.write_table(pa.table({"item": [1, 2]}), tmp_path / "ints.parquet")
+    assert "its first row is not a packed episode" in error(tmp_path / "ints.parquet")
     offline_data.write_part(play("Pendulum-v1", 1), tmp_path / "pendulum" / "p.parquet")
     assert "recorded with observation space Box" in error(tmp_path / "pendulum")
     # the same data, but CQL (Box actions only) on CartPole's Discrete action
@@ -177,6 +234,22 @@ def test_cql_and_iql_train_on_recorded_pendulum(algorithm, tmp_path, runs):
     assert -2000 < metrics[-1]["eval/return_mean"] <= 0
 
 
+def test_init_from_maps_bcs_tensors_onto_ppos_by_name_and_shape():
+    import torch
+
+    from rlplatform.adapter.init_weights import mapped_state
+
+    source = {"_encoder.net.mlp.0.weight": torch.ones(4, 2), "_encoder.net.mlp.0.bias": torch.ones(3),
+              "_pi_head.net.mlp.0.weight": torch.full((2, 4), 2.0)}
+    target = {"encoder.actor_encoder.net.mlp.0.weight": torch.zeros(4, 2), "encoder.actor_encoder.net.mlp.0.bias": torch.zeros(4),
+              "pi.net.mlp.0.weight": torch.zeros(2, 4), "vf.net.mlp.0.weight": torch.zeros(1, 4)}
+    state, copied = mapped_state(source, target)
+    assert copied == ["encoder.actor_encoder.net.mlp.0.weight", "pi.net.mlp.0.weight"]  # the bias: another shape
+    assert torch.equal(state["pi.net.mlp.0.weight"], source["_pi_head.net.mlp.0.weight"])
+    assert torch.equal(state["encoder.actor_encoder.net.mlp.0.bias"], torch.zeros(4))
+    assert torch.equal(state["vf.net.mlp.0.weight"], torch.zeros(1, 4))
+
+
 def test_init_from_names_a_run_or_checkpoint_that_exists(tmp_path, capsys):
     assert "no such run directory or checkpoint" in cli_error(capsys, "--set", f"init_from={tmp_path / 'nowhere'}")
     assert "does not go with multi_agent" in cli_error(
@@ -184,14 +257,18 @@ def test_init_from_names_a_run_or_checkpoint_that_exists(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_ppo_starts_from_a_bc_runs_policy(expert_data, runs):
+def test_ppo_starts_from_a_bc_runs_policy(minari_root, runs):
     """init_from: PPO's actor encoder and policy head start as BC's (kept by lr 0 through one iteration), its value
-    function fresh; a network of other widths is refused before Ray starts."""
+    function fresh; a network of other widths is refused before Ray starts. BC learns from a Minari dataset."""
     from rlplatform.adapter.policy import load_inference_module
     from rlplatform.run.checkpoints import latest_checkpoint
 
-    bc = train(runs, BC, "--set", f"data.paths=[{expert_data}]", "--set", "stop.iterations=1", "--set", "model.hidden=[64, 64]",
-               "--set", "evaluation.episodes=1")
+    result = run_cli("train", BC, "--set", "data={minari: cartpole/expert-v0}", "--set", "stop.iterations=1",
+                     "--set", "model.hidden=[64, 64]", "--set", "evaluation.episodes=1", "--set", "data.updates_per_iteration=1",
+                     "--runs-dir", runs, env={"MINARI_DATASETS_PATH": str(minari_root)})
+    assert result.returncode == 0, result.stdout + result.stderr
+    bc = only_run_dir(runs, "cartpole-bc")
+    assert read_metrics(bc)[-1]["env_steps"] == 1024
     ppo = train(runs, str(ROOT / "experiments" / "cartpole_ppo.yaml"), "--set", f"init_from={bc}", "--set", "training.lr=0.0",
                 "--set", "stop.iterations=1", "--set", "stop.return_mean=null", "--set", "scale.env_runners=0")
     manifest = json.loads((ppo / "manifest.json").read_text())
@@ -205,4 +282,4 @@ def test_ppo_starts_from_a_bc_runs_policy(expert_data, runs):
     assert not any(name.startswith("vf.") for name in manifest["init_from"]["tensors"])
     refused = run_cli("train", str(ROOT / "experiments" / "cartpole_ppo.yaml"), "--set", f"init_from={bc}",
                       "--set", "model.hidden=[32]", "--runs-dir", runs)
-    assert refused.returncode == 2 and "hidden layers are [64, 64]" in refused.stderr, refused.stderr
+    assert refused.returncode == 2 and "model.hidden is [64, 64]" in refused.stderr, refused.stderr

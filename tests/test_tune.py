@@ -64,6 +64,7 @@ BAD_SEARCH = [
     ({"space": {"training.num_epochs": {"uniform": [2, 8]}}}, "search.space.training.num_epochs = 2.0", "use randint"),
     ({"space": {"training.lr": {"choice": [0.001, True]}}}, "search.space.training.lr = True", "a number"),
     ({"space": {"training.use_gae": {"choice": [True, 0]}}}, "search.space.training.use_gae = 0", "true or false"),
+    ({"space": {"init_from": {"choice": ["runs/a", "runs/b"]}}}, "search.space.init_from", "resolved and checked once"),
     ({"space": {"training.lr": {"choice": [0.1]}}, "scheduler": "pbt",
       "pbt": {"mutations": {"training.minibatch_size": {"loguniform": [32, 128]}}}},
      "training.minibatch_size = 32.0", "an integer"),

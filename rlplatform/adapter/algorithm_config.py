@@ -29,6 +29,8 @@ _CONFIG_CLASSES = {
     "IMPALA": ("ray.rllib.algorithms.impala", "IMPALAConfig"),
     "DQN": ("ray.rllib.algorithms.dqn", "DQNConfig"),
     "SAC": ("ray.rllib.algorithms.sac", "SACConfig"),
+    "TQC": ("ray.rllib.algorithms.tqc", "TQCConfig"),
+    "DREAMERV3": ("ray.rllib.algorithms.dreamerv3", "DreamerV3Config"),
     "BC": ("ray.rllib.algorithms.bc", "BCConfig"),
     "MARWIL": ("ray.rllib.algorithms.marwil", "MARWILConfig"),
     "CQL": ("ray.rllib.algorithms.cql", "CQLConfig"),
@@ -90,7 +92,10 @@ def _training_defaults(algorithm: str) -> dict[str, tuple[Optional[type], bool]]
                     annotations.setdefault(p.name, p.annotation)
     typed: dict[str, tuple[Optional[type], bool]] = {}
     for name, annotation in annotations.items():
-        default = getattr(defaults, name, None)
+        try:
+            default = getattr(defaults, name, None)
+        except Exception:  # a property that refuses to be read unset (DreamerV3's train_batch_size_per_learner)
+            continue
         if annotation is inspect.Parameter.empty or type(default) not in _TYPE_NAMES:
             continue
         text = str(annotation)
@@ -234,7 +239,7 @@ def check_data(config: ExperimentConfig) -> None:
     checkpoints need no data). Raises UserError."""
     from rlplatform.adapter.offline_data import check_dataset
 
-    if config.data is not None:
+    if config.data is not None and config.data.paths is not None:  # (a Minari dataset's: once the plan converted it)
         check_dataset(config.data.paths, config.data.columns, env_spaces(config), config.algorithm)
 
 
@@ -242,7 +247,11 @@ def env_spaces(config: ExperimentConfig) -> tuple[Any, Any]:
     """The experiment's env's (observation space, action space), from one env built here."""
     from rlplatform.config.env_ids import make_env
 
-    env = make_env(config.env, **dict(config.env_config))
+    try:
+        env = make_env(config.env, **dict(config.env_config))
+    except Exception as exc:  # an env_config its constructor refuses, a missing dependency, ...
+        raise UserError(f"env {config.env!r} could not be built here to read its spaces: {type(exc).__name__}: "
+                        f"{_first_line(exc)}") from None
     try:
         return env.observation_space, env.action_space
     finally:
@@ -362,11 +371,12 @@ def _offline(algo_config: AlgorithmConfig, config: ExperimentConfig) -> None:
     algo_config.environment(observation_space=observation_space, action_space=action_space)
     algo_config.env_runners(num_env_runners=0, env_runner_cls=None)
     algo_config.offline_data(
-        input_=resolved_paths(data.paths),
+        input_=resolved_paths(data.paths or []),
         input_read_episodes=data.columns is None,
         input_read_schema=dict(data.columns or {}),
         # Counted in episodes; a table is read row by row in train batches (RLlib refuses a read batch size there).
-        **({"input_read_batch_size": data.read_batch_size} if data.columns is None else {}),
+        **({"input_read_batch_size": data.read_batch_size or 1} if data.columns is None else {}),
+        input_read_method_kwargs={"num_cpus": 0},  # Ray Data's read tasks, outside the placement group too
         # Ray Data's PreLearner actors turn episodes into train batches outside the run's placement group, and
         # RLlib asks 2 of a CPU each: on a small machine whose CPUs the run holds they would never start.
         map_batches_kwargs={"concurrency": max(1, config.scale.learners), "num_cpus": 0},
@@ -457,7 +467,7 @@ def build_algorithm_config(config: ExperimentConfig,
             num_env_runners=scale.env_runners,
             num_envs_per_env_runner=scale.envs_per_runner,
             gym_env_vectorize_mode=scale.vectorize,
-            rollout_fragment_length=scale.rollout_fragment_length,
+            rollout_fragment_length=_fragment_length(config),
             num_cpus_per_env_runner=hw.cpus_per_env_runner,
             num_gpus_per_env_runner=hw.gpus_per_env_runner,
             env_runner_cls=internals.env_runner_class(config) if speedups else None,
@@ -520,6 +530,13 @@ def build_algorithm_config(config: ExperimentConfig,
         if not isinstance(count, int) or count > MAX_ACTORS:  # the pass-through bypasses the schema's limit
             raise UserError(f"RLlib rejected the configuration: {name} = {str(count)[:40]}: at most {MAX_ACTORS:,}")
     return algo_config
+
+
+def _fragment_length(config: ExperimentConfig) -> Any:
+    """`scale.rollout_fragment_length`; "auto" is RLlib's batch / (runners x envs), except for DreamerV3, whose
+    training step takes no "auto" (RLlib's default for it, 1: the world model learns from its replay buffer)."""
+    length = config.scale.rollout_fragment_length
+    return 1 if length == "auto" and config.algorithm == "DREAMERV3" else length
 
 
 def _first_line(exc: BaseException) -> str:

@@ -14,7 +14,9 @@ from rlplatform.errors import UserError
 # RLlib 2.60's BC module (DefaultBCTorchRLModule) names its encoder `_encoder` and its policy head `_pi_head`; the
 # PPO family's calls them `encoder.actor_encoder` (`encoder.encoder` with vf_share_layers) and `pi`.
 _RENAMES = (("_encoder.", ("encoder.actor_encoder.", "encoder.encoder.")), ("_pi_head.", ("pi.",)))
-POLICY_PREFIXES = ("pi.", "pi_encoder.", "encoder.actor_encoder.", "encoder.encoder.")
+# The tensors that make a policy act: PPO's family and BC (`pi`, the actor encoder), SAC's family (`pi_encoder`), DQN's
+# (`encoder`, the advantage head `af`).
+POLICY_PREFIXES = ("pi.", "pi_encoder.", "encoder.", "af.")
 
 
 def mapped_state(source: dict[str, Any], target: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
@@ -40,7 +42,7 @@ def start_from(algo: Any, checkpoint: Path) -> list[str]:
     source = load_inference_module(checkpoint).state_dict()
 
     def load(learner: Any) -> list[str]:
-        module = learner.module[DEFAULT_MODULE_ID]
+        module = learner.module[DEFAULT_MODULE_ID].unwrapped()  # with several learners, under torch's DDP wrapper
         state, copied = mapped_state(source, module.state_dict())
         module.load_state_dict(state)
         return copied

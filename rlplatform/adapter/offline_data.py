@@ -187,13 +187,34 @@ def check_dataset(paths: list[str], columns: Optional[dict[str, str]], spaces: t
         for file in parquet_files(Path(path)):
             first = _first_row(file, columns)
             if columns is None:
-                _check_episode(file, decode(first[ITEM]), spaces)
+                _check_episode(file, _decoded(file, first[ITEM]), spaces)
             else:
                 _check_transition(file, first, columns, spaces)
     from rlplatform.config.schema import BOX_ACTION_ALGORITHMS
 
     if algorithm in BOX_ACTION_ALGORITHMS and not isinstance(spaces[1], gym.spaces.Box):
         raise UserError(f"{algorithm} learns a continuous (Box) action; the env's action space is {spaces[1]}")
+
+
+def _decoded(file: Path, item: Any) -> SingleAgentEpisode:
+    try:
+        return decode(item)
+    except Exception as exc:
+        raise UserError(f"{file}: its first row is not a packed episode ({type(exc).__name__}: {exc})") from None
+
+
+def mean_episode_length(paths: list[str], episodes: int = 16) -> Optional[float]:
+    """The mean length of the first episodes of the first local file (None: no local file, or a table)."""
+    import pyarrow.parquet as pq
+
+    for path in paths:
+        if is_uri(path):
+            continue
+        parquet = pq.ParquetFile(parquet_files(Path(path))[0])
+        batch = next(parquet.iter_batches(batch_size=episodes, columns=[ITEM]))
+        lengths = [len(decode(item)) for item in batch.column(0).to_pylist()]
+        return sum(lengths) / len(lengths) if lengths else None
+    return None
 
 
 def _first_row(file: Path, columns: Optional[dict[str, str]]) -> dict[str, Any]:

@@ -24,9 +24,13 @@ from rlplatform.config.schema import ExperimentConfig
 CACHE_ENV = "RLPLATFORM_CACHE_DIR"
 
 
+def cache_root() -> Path:
+    """Where rlplatform keeps what it measured or converted on this machine (layouts, Minari conversions)."""
+    return Path(os.environ[CACHE_ENV]) if os.environ.get(CACHE_ENV) else Path.home() / ".cache" / "rlplatform"
+
+
 def cache_file() -> Path:
-    root = Path(os.environ[CACHE_ENV]) if os.environ.get(CACHE_ENV) else Path.home() / ".cache" / "rlplatform"
-    return root / "layouts.json"
+    return cache_root() / "layouts.json"
 
 
 def machine_key(cpus: float, gpus: float) -> str:

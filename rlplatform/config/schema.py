@@ -16,7 +16,7 @@ from rlplatform.config.search import SearchSection
 from rlplatform.errors import UserError, did_you_mean
 
 SCHEMA_VERSION: Final = 1
-ALGORITHMS = ("PPO", "APPO", "IMPALA", "DQN", "SAC", "BC", "MARWIL", "CQL", "IQL")
+ALGORITHMS = ("PPO", "APPO", "IMPALA", "DQN", "SAC", "TQC", "DREAMERV3", "BC", "MARWIL", "CQL", "IQL")
 # They learn from recorded episodes (the `data` section), not from env runners; the env, where named, evaluates.
 OFFLINE_ALGORITHMS = ("BC", "MARWIL", "CQL", "IQL")
 BOX_ACTION_ALGORITHMS = ("CQL", "IQL")  # RLlib 2.60's CQL and IQL modules take a Box action only
@@ -240,18 +240,30 @@ class DataSection(Section):
     """What an offline algorithm learns from: Parquet files or directories of them (read by Ray Data, recursively)."""
 
     # Episodes in RLlib's offline format (`rlplatform record`, RLlib's recording runner); with `columns`, a table
-    # of transitions, one row per env step. Relative paths are taken from the directory `train` runs in.
-    paths: list[str] = Field(min_length=1)
+    # of transitions, one row per env step. Relative paths are taken from the directory `train` runs in. With
+    # `minari`, set by the run: where it converted the dataset to.
+    paths: Optional[list[str]] = Field(None, min_length=1)
+    # A Minari dataset: the id of a local one ($MINARI_DATASETS_PATH, ~/.minari/datasets) or its directory.
+    minari: Optional[str] = Field(None, min_length=1)
     # A table not written by RLlib: RLlib's column name -> the table's (RLlib's `input_read_schema`), e.g.
     # {obs: observation, actions: action, new_obs: next_observation}; the columns not named keep RLlib's names.
     columns: Optional[dict[str, str]] = None
     # Episodes per read batch of Ray Data (episode data only). RLlib's PreLearner turns each read batch into one train
-    # batch (sampled from the episodes it has read so far), and when Ray Data has passed over the files it starts
-    # them again, PreLearner actor and all (6-12 s on 2 cores): one episode per read makes that pass as long as can be.
-    read_batch_size: int = Field(1, ge=1)
+    # batch, sampled from the episodes it has read so far. BC and CQL keep every train batch of a pass over the files
+    # in memory and cycle through them; MARWIL and IQL start the pipeline again after each pass (6-12 s on 2 cores).
+    # null: set by the run to about one train batch of env steps per read, so that a pass is one epoch of the data.
+    read_batch_size: Optional[int] = Field(None, ge=1)
     # Train batches each learner updates on per iteration (RLlib's dataset_num_iters_per_learner): more makes the
     # evaluation, metrics and checkpoint of each iteration a smaller share of the run.
     updates_per_iteration: int = Field(1, ge=1)
+
+    @model_validator(mode="after")
+    def _a_source(self) -> "DataSection":
+        if self.paths is None and self.minari is None:
+            raise ValueError("give paths (Parquet files or directories) or minari (a Minari dataset)")
+        if self.minari is not None and self.columns is not None:
+            raise ValueError("columns maps a table's columns; a Minari dataset has its own")
+        return self
 
     @field_validator("columns")
     @classmethod

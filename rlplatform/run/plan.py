@@ -9,7 +9,7 @@ from typing import Optional
 
 from rlplatform.adapter import speedups
 from rlplatform.config.experiment import ResolvedExperiment
-from rlplatform.config.schema import ExperimentConfig
+from rlplatform.config.schema import DataSection, ExperimentConfig
 from rlplatform.config.sizing import Resources, preflight, size_to_cluster
 from rlplatform.errors import UserError
 from rlplatform.run.checkpoints import CheckpointInfo, first_usable, list_checkpoints, newest_first
@@ -44,11 +44,11 @@ def make_plan(resolved: ResolvedExperiment, resources: Resources, joined_cluster
 
     config = speedups.gated(resolved.config)  # the version gate decides once, here, for every process of the run
     if config.data is not None:  # the run's config.yaml keeps them absolute: a resume reads the same data from anywhere
-        from rlplatform.adapter.offline_data import resolved_paths
-
-        config = config.model_copy(update={"data": config.data.model_copy(update={"paths": resolved_paths(config.data.paths)})})
+        config = config.model_copy(update={"data": config.data.model_copy(update={"paths": _data_paths(config.data)})})
     algorithm_config.check(config)
     algorithm_config.check_data(config)
+    if config.data is not None and config.data.read_batch_size is None and config.data.columns is None:
+        config = config.model_copy(update={"data": config.data.model_copy(update={"read_batch_size": _read_batch(config)})})
     if config.init_from is not None and resize:  # a resume restores its own checkpoint instead
         config = config.model_copy(update={"init_from": init_checkpoint(config)})
     layout_note = envs_note = None
@@ -73,6 +73,25 @@ def make_plan(resolved: ResolvedExperiment, resources: Resources, joined_cluster
                 algorithm_in_driver=runs_algorithm_in_driver(config, bundles, joined_cluster))
 
 
+def _data_paths(data: DataSection) -> list[str]:
+    """The data's paths, absolute; a Minari dataset's are those of its conversion to RLlib's format (made once)."""
+    from rlplatform.adapter.minari_data import converted
+    from rlplatform.adapter.offline_data import resolved_paths
+
+    return resolved_paths(data.paths if data.paths is not None else [str(converted(str(data.minari)))])
+
+
+def _read_batch(config: ExperimentConfig) -> int:
+    """Episodes per read: about one train batch of env steps (the mean length of the first episodes)."""
+    from rlplatform.adapter import algorithm_config
+    from rlplatform.adapter.offline_data import mean_episode_length
+
+    assert config.data is not None and config.data.paths is not None
+    length = mean_episode_length(config.data.paths)
+    batch = (algorithm_config.total_train_batch(config) or 0) / max(1, config.scale.learners)
+    return max(1, round(batch / length)) if length else 1
+
+
 def init_checkpoint(config: ExperimentConfig) -> str:
     """`init_from` as the checkpoint it names (a run directory's best that verifies and loads), checked against this
     run's env and network widths before Ray starts; the checkpoint's absolute path."""
@@ -81,12 +100,16 @@ def init_checkpoint(config: ExperimentConfig) -> str:
     assert config.init_from is not None
     info = find_checkpoint(Path(config.init_from).expanduser(), "best")
     source = info.meta.get("config") or {}
-    if source.get("env") not in (None, config.env):
-        raise UserError(f"init_from {info.path}: its policy was trained on {source['env']}, this run is on {config.env}")
-    hidden = (source.get("model") or {}).get("hidden")
-    if hidden is not None and list(hidden) != list(config.model.hidden):
-        raise UserError(f"init_from {info.path}: its network's hidden layers are {hidden}, this run's model.hidden is "
-                        f"{config.model.hidden}: they must agree for its weights to fit")
+    if source.get("multi_agent") is not None:
+        raise UserError(f"init_from {info.path}: a multi-agent run's checkpoint; init_from takes a single policy's")
+    if source.get("env") not in (None, config.env) or source.get("env_config", {}) != config.env_config:
+        raise UserError(f"init_from {info.path}: its policy was trained on {source['env']} {source.get('env_config') or ''}, "
+                        f"this run is on {config.env} {config.env_config or ''}".rstrip())
+    model = source.get("model") or {}
+    for key in ("hidden", "activation", "head_hidden", "conv_filters", "use_lstm"):
+        if key in model and model[key] != getattr(config.model, key):
+            raise UserError(f"init_from {info.path}: its network's model.{key} is {model[key]}, this run's is "
+                            f"{getattr(config.model, key)}: they must agree for its weights to fit and act the same")
     return str(info.path.resolve())
 
 

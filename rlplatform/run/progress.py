@@ -37,7 +37,7 @@ def print_start(run_dir: Path, config: ExperimentConfig, resources: str) -> None
     if config.external is not None:
         sampling = f"{scale.env_runners} simulator(s) outside Ray"
     if config.data is not None:
-        sampling = f"learning from {', '.join(config.data.paths)} (the env evaluates)"
+        sampling = f"learning from {', '.join(config.data.paths or [str(config.data.minari)])} (the env evaluates)"
     stdout.print(f"[bold]rlplatform[/] {escape(f'{config.algorithm} on {config.env}: {sampling}, {learners}{gpu}; cluster: {resources}')}")
     say(f"run directory: {run_dir}")
     if config.external is not None:

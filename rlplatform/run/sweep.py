@@ -66,6 +66,10 @@ def plan_sweep(resolved: ResolvedExperiment, resources: Resources, samples: Opti
     plan = make_plan(resolved, resources, joined_cluster=False, resize=resize)
     plan.config = plan.config.model_copy(update={"search": search})
     base = plan.config.model_dump()
+    for key in _all_distributions(search):
+        if key == "init_from" or key.startswith("data.") or key == "data":
+            raise UserError(f"{source}: search.space.{key}: the data and init_from are resolved and checked once for the "
+                            "whole sweep; not searched")
     for key, dist in _all_distributions(search).items():
         for value in _representatives(dist):
             try:
