@@ -20,6 +20,7 @@ from typing import Any, Iterable, Iterator, Optional
 import gymnasium as gym
 from ray.rllib.env.single_agent_episode import SingleAgentEpisode
 
+from rlplatform.config.schema import BOX_ACTION_ALGORITHMS, REQUIRED_TRANSITION_COLUMNS
 from rlplatform.errors import UserError
 
 ITEM = "item"  # the column RLlib writes (ray.data.from_items of the packed episodes) and reads
@@ -190,8 +191,6 @@ def check_dataset(paths: list[str], columns: Optional[dict[str, str]], spaces: t
                 _check_episode(file, _decoded(file, first[ITEM]), spaces)
             else:
                 _check_transition(file, first, columns, spaces)
-    from rlplatform.config.schema import BOX_ACTION_ALGORITHMS
-
     if algorithm in BOX_ACTION_ALGORITHMS and not isinstance(spaces[1], gym.spaces.Box):
         raise UserError(f"{algorithm} learns a continuous (Box) action; the env's action space is {spaces[1]}")
 
@@ -220,8 +219,6 @@ def mean_episode_length(paths: list[str], episodes: int = 16) -> Optional[float]
 def _first_row(file: Path, columns: Optional[dict[str, str]]) -> dict[str, Any]:
     """The file's first row, after checking that it is Parquet, has rows and holds the columns the reader takes."""
     import pyarrow.parquet as pq
-
-    from rlplatform.config.schema import REQUIRED_TRANSITION_COLUMNS
 
     try:
         parquet = pq.ParquetFile(file)
