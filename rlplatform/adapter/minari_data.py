@@ -36,10 +36,11 @@ def open_dataset(source: str) -> Any:
             return MinariDataset(path / "data" if (path / "data").is_dir() else path)
         return minari.load_dataset(source)  # local only: download=False
     except FileNotFoundError:
-        raise UserError(f"data.minari: no local Minari dataset {source!r} (looked under $MINARI_DATASETS_PATH or "
+        raise UserError(f"data.minari: no local Minari dataset {source[:200]!r} (looked under $MINARI_DATASETS_PATH or "
                         "~/.minari/datasets; `minari download ID` fetches one)") from None
     except Exception as exc:  # a damaged or foreign directory
-        raise UserError(f"data.minari: {source}: not a readable Minari dataset ({type(exc).__name__}: {exc})") from None
+        raise UserError(f"data.minari: {source[:200]}: not a readable Minari dataset ({type(exc).__name__}: "
+                        f"{str(exc)[:200]})") from None
 
 
 def converted(source: str) -> Path:

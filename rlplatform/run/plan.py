@@ -43,14 +43,12 @@ def make_plan(resolved: ResolvedExperiment, resources: Resources, joined_cluster
     from rlplatform.config import layouts, step_cost
 
     config = speedups.gated(resolved.config)  # the version gate decides once, here, for every process of the run
-    if config.data is not None:  # the run's config.yaml keeps them absolute: a resume reads the same data from anywhere
-        config = config.model_copy(update={"data": config.data.model_copy(update={"paths": _data_paths(config.data)})})
     algorithm_config.check(config)
-    algorithm_config.check_data(config)
-    if config.data is not None and config.data.read_batch_size is None and config.data.columns is None:
-        config = config.model_copy(update={"data": config.data.model_copy(update={"read_batch_size": _read_batch(config)})})
-    if config.init_from is not None and resize:  # a resume restores its own checkpoint instead
-        config = config.model_copy(update={"init_from": init_checkpoint(config)})
+    try:
+        config = _with_inputs(config, resize)
+    except (OSError, ValueError) as exc:  # a path the OS refuses: too long, a NUL byte, no permission
+        given = config.init_from if config.data is None else (config.data.paths or config.data.minari)
+        raise UserError(f"data or init_from: {str(given)[:200]}: not a path this machine can read ({exc})"[:400]) from None
     layout_note = envs_note = None
     measured = None
     if config.external is not None and config.external.ports is None:
@@ -71,6 +69,20 @@ def make_plan(resolved: ResolvedExperiment, resources: Resources, joined_cluster
     return Plan(config=config, resources=resources, bundles=bundles, main_process_resources=main_resources,
                 layout_note=layout_note, envs_choice=envs_choice, envs_note=envs_note,
                 algorithm_in_driver=runs_algorithm_in_driver(config, bundles, joined_cluster))
+
+
+def _with_inputs(config: ExperimentConfig, resize: bool) -> ExperimentConfig:
+    """The data an offline run reads and the checkpoint `init_from` names, resolved and checked before Ray starts."""
+    from rlplatform.adapter import algorithm_config
+
+    if config.data is not None:  # the run's config.yaml keeps them absolute: a resume reads the same data from anywhere
+        config = config.model_copy(update={"data": config.data.model_copy(update={"paths": _data_paths(config.data)})})
+        algorithm_config.check_data(config)
+        if config.data is not None and config.data.read_batch_size is None and config.data.columns is None:
+            config = config.model_copy(update={"data": config.data.model_copy(update={"read_batch_size": _read_batch(config)})})
+    if config.init_from is not None and resize:  # a resume restores its own checkpoint instead
+        config = config.model_copy(update={"init_from": init_checkpoint(config)})
+    return config
 
 
 def _data_paths(data: DataSection) -> list[str]:
