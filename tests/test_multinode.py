@@ -1,7 +1,7 @@
 """Real multi-node runs on this machine: a head node (127.0.0.2) and worker nodes (127.0.0.3, ...),
 each with its own temp dir and process session, token auth on, stopped by process id.
 
-- env runners spread over two nodes (manifest placement),
+- env runners spread over two nodes (manifest placement), each recording its episodes into one directory,
 - a job submitted through the Jobs API (`rlplatform cluster submit`) trains and its run dir is found; a sweep
   (`cluster submit --tune`) runs its trials and its directory and results table land on the head's runs dir,
 - a worker node lost mid-run: training goes on with the remaining runner; a node joins, RLlib restarts the runner,
@@ -58,14 +58,20 @@ def _only_run_dir(runs: Path) -> Path:
 @pytest.mark.cluster
 def test_env_runners_spread_over_two_nodes(cluster, tmp_path: Path) -> None:
     head = cluster[0]
-    proc = _train(head, tmp_path / "runs", stop_iterations=2)
+    # Both nodes' runners record into one directory (on this machine, standing in for shared storage).
+    episodes = tmp_path / "shared" / "episodes"
+    proc = _train(head, tmp_path / "runs", "--set", f"record.path={episodes}", stop_iterations=2)
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, out[-3000:]
-    manifest = json.loads((_only_run_dir(tmp_path / "runs") / "manifest.json").read_text())
+    run_dir = _only_run_dir(tmp_path / "runs")
+    manifest = json.loads((run_dir / "manifest.json").read_text())
     placement = manifest["placement"]
     assert len(placement["env_runner_nodes"]) == 2
     assert len(set(placement["env_runner_nodes"])) == 2, placement  # two distinct nodes
     assert placement["algorithm_node"] in placement["env_runner_nodes"]  # the head holds one runner and the algorithm
+    dataset = json.loads((episodes / "dataset.json").read_text())
+    assert dataset["episodes"] == int(read_metrics(run_dir)[-1]["episodes/total"])
+    assert {f.name.split("-")[0] for f in episodes.glob("*.parquet")} == {"runner001", "runner002"}  # each runner its part
 
 
 @pytest.mark.slow

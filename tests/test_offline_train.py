@@ -136,8 +136,8 @@ def test_data_an_offline_run_cannot_learn_from_is_refused(expert_data, tmp_path,
         return cli_error(capsys, BC, "--set", f"data.paths=[{path}]", *more)
 
     assert "no such dataset" in error(tmp_path / "missing")
-    assert "not a path this machine can read" in error(tmp_path / ("x" * 5000))  # the OS refuses the name
-    assert "not a path this machine can read" in cli_error(capsys, BC, "--set", 'data.paths=["a\\0b"]')  # a NUL byte
+    assert "not a path this machine can use" in error(tmp_path / ("x" * 5000))  # the OS refuses the name
+    assert "not a path this machine can use" in cli_error(capsys, BC, "--set", 'data.paths=["a\\0b"]')  # a NUL byte
     (tmp_path / "empty").mkdir()
     assert "no Parquet files" in error(tmp_path / "empty")
     (tmp_path / "torn.parquet").write_bytes(b"PAR1 not really")
@@ -254,7 +254,7 @@ def test_init_from_maps_bcs_tensors_onto_ppos_by_name_and_shape():
 
 def test_init_from_names_a_run_or_checkpoint_that_exists(tmp_path, capsys):
     assert "no such run directory or checkpoint" in cli_error(capsys, "--set", f"init_from={tmp_path / 'nowhere'}")
-    assert "not a path this machine can read" in cli_error(capsys, "--set", f"init_from={tmp_path / ('x' * 5000)}")
+    assert "not a path this machine can use" in cli_error(capsys, "--set", f"init_from={tmp_path / ('x' * 5000)}")
     assert "does not go with multi_agent" in cli_error(
         capsys, str(ROOT / "experiments" / "pursuit_ppo.yaml"), "--set", f"init_from={tmp_path}")
 

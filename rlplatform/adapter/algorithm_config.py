@@ -392,6 +392,16 @@ def _offline(algo_config: AlgorithmConfig, config: ExperimentConfig) -> None:
         algo_config.training(lr=None)
 
 
+def _record(algo_config: AlgorithmConfig, config: ExperimentConfig) -> None:
+    """The training runners write every episode they sample (adapter/recording.py)."""
+    from rlplatform.adapter import recording
+
+    record = config.record
+    assert record is not None and record.path is not None  # made absolute by the run's plan
+    algo_config.callbacks(on_sample_end=recording.callback(
+        recording.RecordSettings(record.path, record.episodes_per_file, record.flush_s)))
+
+
 def record_episode(*, episode: Any, metrics_logger: Any, prev_episode_chunks: Sequence[Any] = (),
                    chunk_return: Optional[Callable[[Any], float]] = None, **_: Any) -> None:
     """Every finished episode's return and length, so the driver can keep an exact 100-episode window.
@@ -452,9 +462,10 @@ def episode_recorder(speedups: bool) -> Callable[..., None]:
     return runs_at_fragment_end(functools.partial(record_episode, chunk_return=chunk_return))
 
 
-def build_algorithm_config(config: ExperimentConfig,
-                           main_process_resources: Optional[dict[str, float]] = None) -> AlgorithmConfig:
-    """Map our schema onto RLlib's AlgorithmConfig (the only place that does)."""
+def build_algorithm_config(config: ExperimentConfig, main_process_resources: Optional[dict[str, float]] = None,
+                           recording: bool = False) -> AlgorithmConfig:
+    """Map our schema onto RLlib's AlgorithmConfig (the only place that does). `recording`: the training run itself
+    (not an evaluation or a measurement built from its config) writes the `record` section's episodes."""
     env_id = check(config)
     speedups = internals.enabled(config.speedups)
     if speedups:
@@ -501,6 +512,8 @@ def build_algorithm_config(config: ExperimentConfig,
         _external(algo_config, config)
     if config.data is not None:
         _offline(algo_config, config)
+    if recording and config.record is not None:
+        _record(algo_config, config)
     if config.evaluation.interval:
         algo_config.evaluation(
             evaluation_interval=config.evaluation.interval,

@@ -13,6 +13,8 @@ buffer at every sample (docs/offline.md).
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Optional
@@ -24,6 +26,9 @@ from rlplatform.config.schema import BOX_ACTION_ALGORITHMS, REQUIRED_TRANSITION_
 from rlplatform.errors import UserError
 
 ITEM = "item"  # the column RLlib writes (ray.data.from_items of the packed episodes) and reads
+DATASET_FILE = "dataset.json"
+FORMAT = {"name": "rllib-episodes", "column": ITEM,
+          "encoding": "msgpack (msgpack_numpy arrays) of SingleAgentEpisode.get_state(), one finished episode per row"}
 
 
 def encode(episode: SingleAgentEpisode) -> bytes:
@@ -44,17 +49,42 @@ def decode(item: bytes) -> SingleAgentEpisode:
 
 def write_part(episodes: Iterable[SingleAgentEpisode], path: Path) -> int:
     """Write the episodes (finished ones: RLlib's reader takes no others) to one Parquet file; their number."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+    return write_items(encode_items(episodes), path)
 
+
+def encode_items(episodes: Iterable[SingleAgentEpisode]) -> list[bytes]:
     items = []
     for episode in episodes:
         if not episode.is_done:
             raise ValueError(f"episode {episode.id_} is not finished: offline readers take whole episodes only")
         items.append(encode(episode))
+    return items
+
+
+def write_items(items: list[bytes], path: Path) -> int:
+    """One Parquet file of packed episodes, written beside and renamed into place: a reader (or a crash) never
+    meets half a file under a `.parquet` name."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     path.parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(pa.table({ITEM: pa.array(items, type=pa.binary())}), path)
+    partial = path.with_name(f".{path.name}.partial")
+    pq.write_table(pa.table({ITEM: pa.array(items, type=pa.binary())}), partial)
+    os.replace(partial, path)
     return len(items)
+
+
+def write_dataset_json(directory: Path, summary: "DatasetSummary", env: str, env_config: dict[str, Any],
+                       source: dict[str, Any], describe_space: Any) -> dict[str, Any]:
+    """`dataset.json` beside a dataset: its format, where it came from, and what it holds."""
+    dataset = {"format": FORMAT, "env": env, "env_config": env_config, "source": source,
+               **summary.as_dict(describe_space)}
+    (directory / DATASET_FILE).write_text(json.dumps(dataset, indent=1) + "\n")
+    return dataset
+
+
+def holds_dataset(directory: Path) -> bool:
+    return directory.is_dir() and ((directory / DATASET_FILE).exists() or any(directory.rglob("*.parquet")))
 
 
 def parquet_files(path: Path) -> list[Path]:

@@ -10,7 +10,6 @@ algorithms (`offline_data(input_=DIR, input_read_episodes=True)`) read it as the
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import Any
 
@@ -18,10 +17,7 @@ from rlplatform import console
 from rlplatform.config.schema import validate
 from rlplatform.errors import UserError
 
-DATASET_FILE = "dataset.json"
 PART_FILE = "episodes-000000.parquet"
-FORMAT = {"name": "rllib-episodes", "column": "item",
-          "encoding": "msgpack (msgpack_numpy arrays) of SingleAgentEpisode.get_state(), one finished episode per row"}
 
 
 def add_parser(subparsers: Any) -> None:  # argparse's sub-parsers action
@@ -56,19 +52,16 @@ def run(args: argparse.Namespace) -> int:
     if config.multi_agent is not None or config.env == "external":
         raise UserError(f"record plays single-agent runs on a Gymnasium env; {info.path} is "
                         f"{'multi-agent' if config.multi_agent is not None else 'on external simulators'}")
-    from rlplatform.adapter.offline_data import play_episodes, summary_of, write_part
+    from rlplatform.adapter.offline_data import play_episodes, summary_of, write_dataset_json, write_part
     from rlplatform.export.spec import space_to_json
 
     episodes = play_episodes(info.path, config, args.episodes, args.stochastic, args.seed, args.policy)
     part = args.output / PART_FILE
     write_part(episodes, part)
     summary = summary_of(episodes, [part], source=args.output)  # the episodes in hand: no second read of the file
-    dataset = {"format": FORMAT, "env": config.env, "env_config": dict(config.env_config),
-               "source": {"checkpoint": str(info.path.resolve()), "iteration": info.iteration, "env_steps": info.env_steps,
-                          "algorithm": config.algorithm, "actions": "stochastic" if args.stochastic else "greedy",
-                          "seed": args.seed},
-               **summary.as_dict(space_to_json)}
-    (args.output / DATASET_FILE).write_text(json.dumps(dataset, indent=1) + "\n")
+    source = {"checkpoint": str(info.path.resolve()), "iteration": info.iteration, "env_steps": info.env_steps,
+              "algorithm": config.algorithm, "actions": "stochastic" if args.stochastic else "greedy", "seed": args.seed}
+    write_dataset_json(args.output, summary, config.env, dict(config.env_config), source, space_to_json)
     console.say(f"recorded {summary.episodes} episodes, {summary.env_steps:,} env steps, return {summary.return_mean:.2f} "
                 f"(min {summary.return_min:.2f}, max {summary.return_max:.2f}) from {info.path}: {args.output}")
     return 0
@@ -76,10 +69,11 @@ def run(args: argparse.Namespace) -> int:
 
 def _check_output(output: Path) -> None:
     """An empty or new directory: a dataset already there is not overwritten nor mixed with another."""
+    from rlplatform.adapter.offline_data import holds_dataset
     from rlplatform.run.run_dir import check_writable
 
     if output.exists() and not output.is_dir():
         raise UserError(f"--output {output} is a file, not a directory")
-    if output.is_dir() and ((output / DATASET_FILE).exists() or any(output.rglob("*.parquet"))):
+    if holds_dataset(output):
         raise UserError(f"--output {output} already holds a dataset: choose another directory")
     check_writable(output)

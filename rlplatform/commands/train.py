@@ -21,7 +21,7 @@ from rlplatform.errors import UserError
 from rlplatform.infra import local_ray
 from rlplatform.run import run_dir as rundir
 from rlplatform.run.loop import train_loop
-from rlplatform.run.plan import Plan, checkpoint_to_resume, make_plan
+from rlplatform.run.plan import Plan, checkpoint_to_resume, make_plan, with_record_directory
 
 
 def add_parser(subparsers: Any) -> None:  # argparse's sub-parsers action
@@ -64,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
         if plan.run_dir is None:
             plan.run_dir = rundir.new_run_dir(args.runs_dir, plan.config.name)
             lock = rundir.WriterLock(plan.run_dir)
+        plan.config = with_record_directory(plan.config, plan.run_dir)
         rundir.write_config(plan.run_dir, plan.config)
         rundir.write_manifest(plan.run_dir, plan.config, _manifest_facts(args, resolved, plan))
         rundir.write_external(plan.run_dir, plan.config)
@@ -77,12 +78,35 @@ def run(args: argparse.Namespace) -> int:
                               speedups=plan.config.speedups)
             connected = True
         plan.ray_ready_at = time.time()
-        return train_loop(plan)
+        try:
+            return train_loop(plan)
+        finally:
+            _describe_recording(plan)
     finally:
         if connected:
             local_ray.shutdown()
         if lock is not None:
             lock.release()
+
+
+def _describe_recording(plan: Plan) -> None:
+    """`dataset.json` beside the episodes a run recorded (all of them, a resumed run's earlier ones included)."""
+    record = plan.config.record
+    if record is None or record.path is None or not Path(record.path).is_dir():
+        return
+    from rlplatform.adapter.offline_data import summarize, write_dataset_json
+    from rlplatform.export.spec import space_to_json
+
+    try:
+        summary = summarize(Path(record.path))
+    except UserError as exc:  # no episode finished, or a file that does not read back: say so, keep the run's outcome
+        console.say(f"record: {exc}", style="yellow")
+        return
+    source = {"run": str(plan.require_run_dir().absolute()), "algorithm": plan.config.algorithm,
+              "actions": "the training runners' (exploring)", "seed": plan.config.seed}
+    write_dataset_json(Path(record.path), summary, plan.config.env, dict(plan.config.env_config), source, space_to_json)
+    console.say(f"recorded {summary.episodes:,} episodes, {summary.env_steps:,} env steps, return {summary.return_mean:.2f} "
+                f"(min {summary.return_min:.2f}, max {summary.return_max:.2f}): {record.path}")
 
 
 def _manifest_facts(args: argparse.Namespace, resolved: ResolvedExperiment, plan: Plan) -> dict[str, Any]:

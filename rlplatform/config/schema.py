@@ -275,6 +275,19 @@ class DataSection(Section):
         return value
 
 
+class RecordSection(Section):
+    """Every episode the run's env runners sample for training, written as it finishes (adapter/recording.py): Parquet
+    in RLlib's offline format, which `data.paths` and RLlib's offline algorithms read. Evaluation is not recorded."""
+
+    # A directory; relative paths are taken from the directory `train` runs in; null: `episodes/` in the run
+    # directory. On a cluster, a directory every node mounts at the same path (each runner writes its own files).
+    path: Optional[str] = Field(None, min_length=1)
+    # A runner writes a file when it holds this many finished episodes, or flush_s after its last file, and when the
+    # run saves a checkpoint or stops. What a runner holds is lost if its process dies.
+    episodes_per_file: int = Field(100, ge=1, le=1_000_000)
+    flush_s: float = Field(60.0, gt=0, le=86_400)
+
+
 # RLlib's names for a table of transitions (`offline_prelearner.SCHEMA`): which of them a table must hold.
 TRANSITION_COLUMNS = ("obs", "actions", "rewards", "new_obs", "terminateds", "truncateds", "eps_id", "t", "infos")
 REQUIRED_TRANSITION_COLUMNS = ("obs", "actions", "rewards", "new_obs", "terminateds")
@@ -299,6 +312,7 @@ class ExperimentConfig(Section):
     multi_agent: Optional[MultiAgentSection] = None
     external: Optional[ExternalSection] = None
     data: Optional[DataSection] = None  # BC, MARWIL, CQL, IQL: the recorded episodes they learn from
+    record: Optional[RecordSection] = None  # the episodes the run samples, written as an offline dataset
     # A run directory (its best checkpoint that verifies) or a checkpoint: the policy starts from its weights
     # (adapter/init_weights.py), e.g. PPO from a BC run. The run keeps the checkpoint it took, as a path.
     init_from: Optional[str] = Field(None, min_length=1)
@@ -378,6 +392,7 @@ def validate(data: dict[str, Any], source: str = "config") -> ExperimentConfig:
             raise UserError(f"{source}: scale.{key} = {_show(getattr(config.scale, key))}: at most {MAX_ACTORS:,}")
     _check_external(config, source)
     _check_offline(config, source)
+    _check_record(config, source)
     if config.init_from is not None and config.multi_agent is not None:
         raise UserError(f"{source}: init_from starts one policy from a checkpoint's; it does not go with multi_agent")
     if config.scale.aggregators_per_learner and config.algorithm not in AGGREGATOR_ALGORITHMS:
@@ -445,6 +460,20 @@ def _check_offline(config: ExperimentConfig, source: str) -> None:
         # RLlib 2.60's CQL training step hands a local learner one batch where the learner takes iterators (KeyError: 0).
         raise UserError(f"{source}: CQL with the learner in the main process needs data.updates_per_iteration of 2 or "
                         "more (RLlib 2.60's CQL fails on 1)")
+
+
+def _check_record(config: ExperimentConfig, source: str) -> None:
+    """Recording keeps a single-agent Gymnasium run's sampled episodes: RLlib's offline format has no other kind."""
+    if config.record is None:
+        return
+    problem = ("an offline algorithm (it samples nothing)" if config.algorithm in OFFLINE_ALGORITHMS else
+               "multi_agent (RLlib's offline format holds single-agent episodes)" if config.multi_agent is not None else
+               "env: external" if config.external is not None else None)
+    if problem:
+        raise UserError(f"{source}: record does not go with {problem}")
+    if config.record.path is not None and "://" in config.record.path:
+        raise UserError(f"{source}: record.path {config.record.path[:200]}: a directory, not a URI (on a cluster, one "
+                        "that every node mounts)")
 
 
 def _deeper_than(data: Any, limit: int) -> Optional[str]:

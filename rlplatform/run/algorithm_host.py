@@ -42,7 +42,8 @@ class AlgorithmHost:
         os.environ[ALGORITHM_HOST_ENV] = "1"
         self._epochs = algorithm_config.epochs_per_batch(config)
         self._offline = config.data is not None
-        self.algo = algorithm_config.build_algorithm_config(config, main_process_resources).build_algo()
+        self._recording = config.record is not None
+        self.algo = algorithm_config.build_algorithm_config(config, main_process_resources, recording=True).build_algo()
         self.initialized: list[str] = []
         if config.init_from:
             from rlplatform.adapter.init_weights import start_from
@@ -61,7 +62,14 @@ class AlgorithmHost:
         return result
 
     def save(self, path: str) -> None:
+        self.flush_recording()  # the episodes sampled up to a checkpoint are on disk when it is
         self.algo.save_to_path(path)
+
+    def flush_recording(self) -> int:
+        """Write the finished episodes the env runners hold (`record`); how many."""
+        from rlplatform.adapter import recording
+
+        return recording.flush(self.algo) if self._recording else 0
 
     def restore(self, path: str) -> dict[str, Any]:
         self.algo.restore_from_path(path)
@@ -97,6 +105,10 @@ class AlgorithmHost:
         from rlplatform.adapter.external_runner import release_waiting_runners
 
         release_waiting_runners(self.algo.config)  # an `env: external` run's runners may wait for a simulator
+        try:
+            self.flush_recording()
+        except ray.exceptions.RayError:  # a runner that died took what it held (docs/offline.md); the rest is written
+            pass
         self.algo.stop()
 
 

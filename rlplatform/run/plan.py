@@ -47,8 +47,9 @@ def make_plan(resolved: ResolvedExperiment, resources: Resources, joined_cluster
     try:
         config = _with_inputs(config, resize)
     except (OSError, ValueError) as exc:  # a path the OS refuses: too long, a NUL byte, no permission
-        given = config.init_from if config.data is None else (config.data.paths or config.data.minari)
-        raise UserError(f"data or init_from: {str(given)[:200]}: not a path this machine can read ({exc})"[:400]) from None
+        given = (config.init_from if config.data is None else (config.data.paths or config.data.minari)) or (
+            config.record.path if config.record else None)
+        raise UserError(f"data, init_from or record: {str(given)[:200]}: not a path this machine can use ({exc})"[:400]) from None
     layout_note = envs_note = None
     measured = None
     if config.external is not None and config.external.ports is None:
@@ -82,7 +83,31 @@ def _with_inputs(config: ExperimentConfig, resize: bool) -> ExperimentConfig:
             config = config.model_copy(update={"data": config.data.model_copy(update={"read_batch_size": _read_batch(config)})})
     if config.init_from is not None and resize:  # a resume restores its own checkpoint instead
         config = config.model_copy(update={"init_from": init_checkpoint(config)})
+    if config.record is not None and config.record.path is not None:
+        config = config.model_copy(update={"record": config.record.model_copy(update={
+            "path": str(_record_directory(config.record.path, fresh=resize))})})
     return config
+
+
+def _record_directory(given: str, fresh: bool) -> Path:
+    """`record.path`, absolute; a fresh run's must not hold a dataset already (a resumed run adds to its own)."""
+    from rlplatform.adapter.offline_data import holds_dataset
+    from rlplatform.run.run_dir import check_writable
+
+    path = Path(given).expanduser().absolute()
+    if path.exists() and not path.is_dir():
+        raise UserError(f"record.path {path}: a file, not a directory")
+    if fresh and holds_dataset(path):
+        raise UserError(f"record.path {path} already holds a dataset: choose another directory (a resumed run adds to its own)")
+    check_writable(path)
+    return path
+
+
+def with_record_directory(config: ExperimentConfig, run_dir: Path) -> ExperimentConfig:
+    """A `record` section without a path records into `episodes/` in the run directory."""
+    if config.record is None or config.record.path is not None:
+        return config
+    return config.model_copy(update={"record": config.record.model_copy(update={"path": str((run_dir / "episodes").absolute())})})
 
 
 def _data_paths(data: DataSection) -> list[str]:

@@ -63,6 +63,8 @@ def plan_sweep(resolved: ResolvedExperiment, resources: Resources, samples: Opti
             raise UserError(f"--samples {samples}: must be at least 1")
         search = search.model_copy(update={"samples": samples})
     # Trials go where Tune places them: nothing is pinned to the driver's node (joined_cluster=False).
+    if resolved.config.record is not None:
+        raise UserError(f"{source}: record: a sweep's trials do not record their episodes; record one run with `train`")
     plan = make_plan(resolved, resources, joined_cluster=False, resize=resize)
     plan.config = plan.config.model_copy(update={"search": search})
     base = plan.config.model_dump()
