@@ -13,7 +13,7 @@ def play(env_id: str, count: int, policy: Optional[Callable[[np.ndarray], Any]] 
     is kept as RLlib's env runner keeps it, in the module's space ([-1, 1] for a bounded Box)."""
     from ray.rllib.env.single_agent_episode import SingleAgentEpisode
 
-    from rlplatform.adapter.minari_data import module_action
+    from rlplatform.adapter.offline_data import module_action
 
     env = gym.make(env_id)
     env.action_space.seed(seed)

@@ -138,6 +138,22 @@ def test_record_writes_a_trained_policys_episodes_and_their_description(trained_
 
 
 @pytest.mark.slow
+def test_record_plays_an_export_as_evaluate_does(trained_run, tmp_path):
+    """An export plays with onnxruntime alone: the same seed gives `evaluate`'s episodes, recorded."""
+    export = tmp_path / "export"
+    assert run_cli("export", trained_run, "-o", export, timeout=300).returncode == 0
+    evaluated = run_cli("evaluate", export, "--episodes", "4", "--seed", "5", "--json", tmp_path / "eval.json", timeout=300)
+    assert evaluated.returncode == 0, evaluated.stderr
+    result = run_cli("record", export, "-o", tmp_path / "data", "--episodes", "4", "--seed", "5", timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    episodes = list(offline_data.read_episodes(tmp_path / "data"))
+    assert [e.get_return() for e in episodes] == json.loads((tmp_path / "eval.json").read_text())["returns"]
+    dataset = json.loads((tmp_path / "data" / "dataset.json").read_text())
+    assert dataset["source"]["export"] == str(export.resolve()) and dataset["source"]["actions"] == "greedy"
+    assert_user_error(run_cli("record", export, "-o", tmp_path / "x", "--stochastic", timeout=120), "exported greedy")
+
+
+@pytest.mark.slow
 def test_record_keeps_what_is_there_and_refuses_bad_input(trained_run, tmp_path):
     out = tmp_path / "dataset"
     assert run_cli("record", trained_run, "-o", out, "--episodes", "2", timeout=300).returncode == 0

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import gymnasium as gym
-import numpy as np
 
+from rlplatform.adapter.offline_data import episode_from_steps
 from rlplatform.config.layouts import cache_root
 from rlplatform.errors import UserError
 
@@ -75,27 +75,9 @@ def _convert(dataset: Any, out: Path) -> None:
 
 def episodes(dataset: Any) -> Iterator[Any]:
     """Each Minari episode as RLlib's `SingleAgentEpisode` (observations T+1, actions, rewards, how it ended)."""
-    from ray.rllib.env.single_agent_episode import SingleAgentEpisode
-
-    obs_space, act_space = dataset.observation_space, dataset.action_space
     for data in dataset.iterate_episodes():
         steps = len(data.rewards)
-        yield SingleAgentEpisode(
-            observations=[np.asarray(o) for o in data.observations[: steps + 1]],
-            actions=[module_action(a, act_space) for a in data.actions[:steps]],
-            rewards=[float(r) for r in data.rewards],
-            # an episode the collector cut off (neither flag set) counts as truncated: it ended without a terminal state
-            terminated=bool(data.terminations[-1]), truncated=not bool(data.terminations[-1]),
-            observation_space=obs_space, action_space=act_space, len_lookback_buffer=0)
-
-
-def module_action(action: Any, space: gym.Space) -> Any:
-    """An env action as RLlib's recordings keep it: a bounded Box scaled to [-1, 1], a Discrete as an int."""
-    from ray.rllib.utils.spaces.space_utils import normalize_action
-
-    if isinstance(space, gym.spaces.Discrete):
-        return int(action)
-    action = np.asarray(action, dtype=space.dtype)
-    if np.all(np.isfinite(space.low)) and np.all(np.isfinite(space.high)):
-        return normalize_action(action, space).astype(space.dtype)
-    return action
+        # an episode the collector cut off (neither flag set) counts as truncated: it ended without a terminal state
+        yield episode_from_steps(data.observations[: steps + 1], data.actions[:steps], data.rewards,
+                                 terminated=bool(data.terminations[-1]),
+                                 spaces=(dataset.observation_space, dataset.action_space))

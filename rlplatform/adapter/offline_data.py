@@ -17,9 +17,10 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any, Iterable, Iterator, Optional, Sequence
 
 import gymnasium as gym
+import numpy as np
 from ray.rllib.env.single_agent_episode import SingleAgentEpisode
 
 from rlplatform.config.schema import BOX_ACTION_ALGORITHMS, REQUIRED_TRANSITION_COLUMNS
@@ -45,6 +46,29 @@ def decode(item: bytes) -> SingleAgentEpisode:
     import msgpack_numpy
 
     return SingleAgentEpisode.from_state(msgpack.unpackb(item, object_hook=msgpack_numpy.decode))
+
+
+def episode_from_steps(observations: Sequence[Any], env_actions: Sequence[Any], rewards: Sequence[float], terminated: bool,
+                       spaces: tuple[gym.Space, gym.Space]) -> SingleAgentEpisode:
+    """A finished episode played outside RLlib (observations T+1, env actions T), as RLlib's recordings keep it:
+    actions in the module's space (see `module_action`); `terminated` False means it was cut off (truncated)."""
+    return SingleAgentEpisode(
+        observations=[np.asarray(o) for o in observations], actions=[module_action(a, spaces[1]) for a in env_actions],
+        rewards=[float(r) for r in rewards], terminated=terminated, truncated=not terminated,
+        observation_space=spaces[0], action_space=spaces[1], len_lookback_buffer=0)
+
+
+def module_action(action: Any, space: gym.Space) -> Any:
+    """An env action as RLlib's recordings keep it: a bounded Box scaled to [-1, 1] (RLlib's `normalize_actions`, which
+    the runner undoes before stepping the env), a Discrete as an int."""
+    from ray.rllib.utils.spaces.space_utils import normalize_action
+
+    if isinstance(space, gym.spaces.Discrete):
+        return int(action)
+    action = np.asarray(action, dtype=space.dtype)
+    if np.all(np.isfinite(space.low)) and np.all(np.isfinite(space.high)):
+        return normalize_action(action, space).astype(space.dtype)
+    return action
 
 
 def write_part(episodes: Iterable[SingleAgentEpisode], path: Path) -> int:

@@ -152,8 +152,10 @@ def evaluate(checkpoint: Path, config: ExperimentConfig, episodes: int, seed: in
     return run_episodes(module, config.env, config.env_config, episodes, seed, video_dir, name=config.name)
 
 
-def run_episodes(policy: Any, env_id: str, env_config: dict, episodes: int, seed: int, video_dir: Optional[Path], name: str) -> dict:
-    """Greedy episodes; `policy` has initial_state() and act(observations, state) -> (env actions, state)."""
+def run_episodes(policy: Any, env_id: str, env_config: dict, episodes: int, seed: int, video_dir: Optional[Path], name: str,
+                 trajectories: Optional[list[dict[str, Any]]] = None) -> dict:
+    """Greedy episodes; `policy` has initial_state() and act(observations, state) -> (env actions, state).
+    `trajectories`: a list that gets each episode's observations, env actions, rewards and how it ended."""
     import gymnasium as gym
 
     from rlplatform.config.env_ids import make_env
@@ -172,12 +174,19 @@ def run_episodes(policy: Any, env_id: str, env_config: dict, episodes: int, seed
             obs, _ = env.reset(seed=seed + episode)
             state = policy.initial_state()
             done, total, steps = False, 0.0, 0
+            played: dict[str, Any] = {"observations": [obs], "actions": [], "rewards": []}
             while not done:
                 actions, state = policy.act(obs[None], state)
                 obs, reward, terminated, truncated, _ = env.step(actions[0])
                 total, steps, done = total + float(reward), steps + 1, terminated or truncated
+                if trajectories is not None:
+                    played["observations"].append(obs)
+                    played["actions"].append(actions[0])
+                    played["rewards"].append(float(reward))
             returns.append(total)
             lengths.append(steps)
+            if trajectories is not None:
+                trajectories.append({**played, "terminated": bool(terminated), "spaces": (env.observation_space, env.action_space)})
     finally:
         env.close()
     videos = sorted(str(p) for p in video_dir.glob("*.mp4")) if video_dir else []
