@@ -301,3 +301,23 @@ def test_scale_measures_waiting_runners_over_a_loopback_node_and_fits_the_cost_m
     assert [r["runners"] for r in cluster["extrapolation"]] == [256, 1000]
     assert all(0 < r["sync_of_ideal"] < 1 and r["relays"] == math.ceil(r["runners"] / 32) for r in cluster["extrapolation"])
     assert "cluster model" in fit.stdout
+
+
+@pytest.mark.slow
+def test_offline_bench_measures_ours_and_rllibs_example_settings_on_the_same_data(tmp_path):
+    from episodes import cartpole_expert, play
+
+    from rlplatform.adapter import offline_data
+
+    offline_data.write_part(play("CartPole-v1", 6, cartpole_expert), tmp_path / "data" / "part.parquet")
+    result = run_cli("bench", "offline", ROOT / "experiments" / "cartpole_bc.yaml", "--iterations", "1",
+                     "--set", f"data.paths=[{tmp_path / 'data'}]", "--set", "data.updates_per_iteration=2",
+                     "--set", "training.train_batch_size_per_learner=256", "-o", tmp_path / "bench", timeout=600)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    (path,) = (tmp_path / "bench").rglob("offline.json")
+    rows = {r["way"]: r for r in json.loads(path.read_text())["results"]}
+    assert set(rows) == {"ours", "rllib"}
+    for row in rows.values():  # a measured iteration is the experiment's 2 updates of 256 recorded env steps
+        assert row["samples"] == 2 * 256 and row["updates"] == 2 and row["samples_per_s"] > 0
+    assert rows["ours"]["prelearner_cpus"] == 0 and rows["rllib"]["prelearner_actors"] == 2
+    assert rows["ours"]["of_ours"] == 1.0

@@ -8,6 +8,7 @@
 - `scale`: many env runners (and nodes) whose envs wait: throughput against the ideal, where the time goes, memory per runner.
 - `ingest`: CPU per env step of each role of the pipeline on an env that costs nothing; each role's ceiling.
 - `serve`: `rlplatform serve`'s requests/s and latency, batched and unbatched, against onnxruntime in-process.
+- `offline`: an offline algorithm's samples/s through the learner, `train`'s set-up against RLlib's tuned examples'.
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ from typing import Any
 
 
 def add_parser(subparsers: Any) -> None:  # argparse's sub-parsers action
-    from rlplatform.bench import gpu, ingest, learner, scale, serve, soak, solve, throughput
+    from rlplatform.bench import gpu, ingest, learner, offline, scale, serve, soak, solve, throughput
 
-    p = subparsers.add_parser("bench", help="benchmarks: sampling throughput, time to solve, memory soak, learner updates, GPU learner, scale, ingest, serve")
-    verbs = p.add_subparsers(dest="bench_verb", metavar="{throughput,solve,soak,learner,gpu,scale,ingest,serve}", required=True, parser_class=type(p))
-    for verb in (throughput, solve, soak, learner, gpu, scale, ingest, serve):
+    p = subparsers.add_parser("bench", help="benchmarks: sampling throughput, time to solve, memory soak, learner updates, GPU learner, scale, ingest, serve, offline")
+    verbs = p.add_subparsers(dest="bench_verb", metavar="{throughput,solve,soak,learner,gpu,scale,ingest,serve,offline}", required=True, parser_class=type(p))
+    for verb in (throughput, solve, soak, learner, gpu, scale, ingest, serve, offline):
         verb.add_verb(verbs)
