@@ -107,8 +107,11 @@ def measure(way: str, config_data: dict[str, Any], iterations: int) -> dict[str,
     if way == "rllib":
         actors, cpus = _as_rllib_examples(algo_config, config, resources.cpus)
     algo = algo_config.build_algo()
+
+    def trained(result: dict[str, Any]) -> int:
+        return int(result[LEARNER_RESULTS][ALL_MODULES][NUM_ENV_STEPS_TRAINED_LIFETIME])
+
     try:
-        trained = lambda result: result[LEARNER_RESULTS][ALL_MODULES][NUM_ENV_STEPS_TRAINED_LIFETIME]  # noqa: E731
         before = trained(algo.train())  # the pipeline's start
         start = time.perf_counter()
         for _ in range(iterations):
