@@ -286,3 +286,30 @@ def test_ppo_starts_from_a_bc_runs_policy(minari_root, runs):
     refused = run_cli("train", str(ROOT / "experiments" / "cartpole_ppo.yaml"), "--set", f"init_from={bc}",
                       "--set", "model.hidden=[32]", "--runs-dir", runs)
     assert refused.returncode == 2 and "model.hidden is [64, 64]" in refused.stderr, refused.stderr
+
+
+@pytest.mark.slow
+def test_sac_starts_from_an_iql_runs_policy(tmp_path, runs):
+    """init_from, IQL -> SAC: SAC's policy (its encoder and head) starts as IQL's; actor_lr 0 keeps it through an
+    iteration, so the SAC checkpoint holds IQL's policy tensors."""
+    from rlplatform.adapter.policy import load_inference_module
+    from rlplatform.run.checkpoints import latest_checkpoint
+
+    offline_data.write_part(play("Pendulum-v1", 3), tmp_path / "pendulum" / "part.parquet")
+    model = {"hidden": [64, 64], "activation": "relu"}
+    iql, sac = tmp_path / "iql.yaml", tmp_path / "sac.yaml"
+    iql.write_text(yaml.safe_dump({
+        "name": "iql", "algorithm": "IQL", "env": "Pendulum-v1", "model": model, "stop": {"iterations": 1},
+        "training": {"train_batch_size_per_learner": 128},
+        "data": {"paths": [str(tmp_path / "pendulum")], "updates_per_iteration": 2}}))
+    iql_run = train(runs, str(iql))
+    sac.write_text(yaml.safe_dump({
+        "name": "sac", "algorithm": "SAC", "env": "Pendulum-v1", "model": model, "init_from": str(iql_run),
+        "training": {"actor_lr": 0.0, "train_batch_size_per_learner": 32, "num_steps_sampled_before_learning_starts": 64},
+        "scale": {"env_runners": 0}, "stop": {"env_steps": 200}}))
+    manifest = json.loads((train(runs, str(sac)) / "manifest.json").read_text())
+    assert {"pi_encoder.net.mlp.0.weight", "pi.net.mlp.0.weight"} <= set(manifest["init_from"]["tensors"])
+    source = load_inference_module(latest_checkpoint(iql_run).path).state_dict()
+    started = load_inference_module(latest_checkpoint(only_run_dir(runs, "sac")).path).state_dict()
+    for name in ("pi_encoder.net.mlp.0.weight", "pi.net.mlp.0.weight"):
+        assert np.array_equal(source[name].numpy(), started[name].numpy()), name

@@ -69,22 +69,26 @@ def test_one_writer_per_run_directory_and_a_killed_run_resumes_without_a_trace(r
     first = run_cli("train", "--runs-dir", runs, *UNTIL_CLOCK, "--set", "stop.iterations=2", "--set", "checkpoint.every=1")
     assert first.returncode == 0, first.stderr
     run_dir = only_run_dir(runs, "cartpole-ppo")
-    writer = subprocess.Popen(
-        [sys.executable, "-m", "rlplatform", "train", "--resume", str(run_dir), "--set", "stop.iterations=10000",
-         "--set", "checkpoint.every=3"],
-        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
+    log = runs / "writer.log"
+    with log.open("w") as out:
+        writer = subprocess.Popen(
+            [sys.executable, "-m", "rlplatform", "train", "--resume", str(run_dir), "--set", "stop.iterations=10000",
+             "--set", "checkpoint.every=3"],
+            cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+        )
     try:
         deadline = time.time() + 180
         while time.time() < deadline and len(iterations(run_dir)) < 9:
-            assert writer.poll() is None, "the resumed run ended early"
+            assert writer.poll() is None, f"the resumed run ended early: {log.read_text()[-2000:]}"
             time.sleep(0.5)
         second = run_cli("train", "--resume", run_dir, "--set", "stop.iterations=3")
         assert_user_error(second, f"in use by process {writer.pid}", str(run_dir))
     finally:
-        for process in [*_children(writer.pid), psutil.Process(writer.pid)]:
+        ended = writer.poll()
+        for process in [*_children(writer.pid), *([psutil.Process(writer.pid)] if ended is None else [])]:
             process.send_signal(signal.SIGKILL)  # the driver and the Ray it started, no cleanup anywhere
         writer.wait(timeout=30)
+    assert ended is None, f"the resumed run ended on its own (exit {ended}) before it was killed: {log.read_text()[-2000:]}"
     before_kill = iterations(run_dir)
     newest = list_checkpoints(run_dir / "checkpoints")[-1].iteration
     assert len(before_kill) >= 9 and newest <= before_kill[-1]
