@@ -102,7 +102,7 @@ def _play_export(args: argparse.Namespace) -> tuple[list, str, dict, dict]:
     played: list[dict[str, Any]] = []
     run_episodes(policy, spec["env"], env_config, args.episodes, args.seed, None, name=name, trajectories=played)
     episodes = [episode_from_steps(p["observations"], p["actions"], p["rewards"], p["terminated"], p["spaces"]) for p in played]
-    source = {"export": str(args.target.resolve()), **{k: v for k, v in (spec.get("source") or {}).items()},
+    source = {"export": str(args.target.resolve()), **(spec.get("source") or {}),
               "algorithm": spec.get("algorithm"), "actions": "stochastic" if args.stochastic else "greedy", "seed": args.seed}
     return episodes, spec["env"], env_config, source
 
