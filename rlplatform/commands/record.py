@@ -118,11 +118,6 @@ def _policy_name(spec: dict[str, Any], args: argparse.Namespace) -> str:
 
 def _check_output(output: Path) -> None:
     """An empty or new directory: a dataset already there is not overwritten nor mixed with another."""
-    from rlplatform.adapter.offline_data import holds_dataset
-    from rlplatform.run.run_dir import check_writable
+    from rlplatform.run.run_dir import check_new_dataset_directory
 
-    if output.exists() and not output.is_dir():
-        raise UserError(f"--output {output} is a file, not a directory")
-    if holds_dataset(output):
-        raise UserError(f"--output {output} already holds a dataset: choose another directory")
-    check_writable(output)
+    check_new_dataset_directory(output, "--output")

@@ -91,15 +91,13 @@ def _with_inputs(config: ExperimentConfig, resize: bool) -> ExperimentConfig:
 
 def _record_directory(given: str, fresh: bool) -> Path:
     """`record.path`, absolute; a fresh run's must not hold a dataset already (a resumed run adds to its own)."""
-    from rlplatform.adapter.offline_data import holds_dataset
-    from rlplatform.run.run_dir import check_writable
+    from rlplatform.run.run_dir import check_new_dataset_directory, check_writable
 
     path = Path(given).expanduser().absolute()
-    if path.exists() and not path.is_dir():
-        raise UserError(f"record.path {path}: a file, not a directory")
-    if fresh and holds_dataset(path):
-        raise UserError(f"record.path {path} already holds a dataset: choose another directory (a resumed run adds to its own)")
-    check_writable(path)
+    if fresh:
+        check_new_dataset_directory(path, "record.path", " (a resumed run adds to its own)")
+    else:
+        check_writable(path)
     return path
 
 

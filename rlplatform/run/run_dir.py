@@ -57,6 +57,18 @@ def check_writable(root: Path) -> None:
         raise UserError(f"output directory is not writable: {root}")
 
 
+def check_new_dataset_directory(path: Path, what: str, hint: str = "") -> None:
+    """Fail before anything is written if `path` (named `what` in the message) cannot take a new dataset: a file, a
+    directory that already holds one (nothing there is overwritten nor mixed with another), or not writable."""
+    from rlplatform.adapter.offline_data import holds_dataset
+
+    if path.exists() and not path.is_dir():
+        raise UserError(f"{what} {path} is a file, not a directory")
+    if holds_dataset(path):
+        raise UserError(f"{what} {path} already holds a dataset: choose another directory{hint}")
+    check_writable(path)
+
+
 def new_run_dir(root: Path, experiment: str) -> Path:
     stamp = dt.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
     base = root / experiment / stamp
