@@ -17,6 +17,7 @@ ENVS = {
     "rlplatform/Faulty-v0": ("rlplatform_envs.faults:make_faulty", None, False),
     "rlplatform/Firehose-v0": ("rlplatform_envs.firehose:FirehoseEnv", None, False),
     "rlplatform/Pursuit-v0": ("rlplatform_envs.pursuit:PursuitEnv", None, True),
+    "rlplatform/MaskedPick-v0": ("rlplatform_envs.masked_pick:MaskedPickEnv", None, False),
     "rlplatform/PettingZooParallel-v0": ("rlplatform_envs.pettingzoo_envs:make_parallel", None, True),
 }
 MULTI_AGENT = {env_id for env_id, (_, _, multi_agent) in ENVS.items() if multi_agent}

@@ -19,6 +19,7 @@ CHECKS = {
     "rlplatform/PettingZooParallel-v0": "{env_module: mpe2.simple_spread_v3, N: 2, max_cycles: 25}",
     "rlplatform/Faulty-v0": "{env: CartPole-v1, crash_probability: 0.0}",
     "rlplatform/Firehose-v0": "{episode_len: 50, obs_size: 8}",
+    "rlplatform/MaskedPick-v0": "{n: 6, length: 20}",
 }
 QUICK = ["--set", "stop.iterations=1", "--set", "stop.return_mean=null", "--set", "checkpoint.every=1"]
 

@@ -46,6 +46,7 @@ OWN_TRAINING_KEYS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {"critic
 _PLACEMENT = {"pack": "PACK", "spread": "SPREAD", "strict_pack": "STRICT_PACK", "strict_spread": "STRICT_SPREAD"}
 EPISODE_RETURNS = "rlp_episode_returns"
 EPISODE_LENGTHS = "rlp_episode_lengths"
+ILLEGAL_ACTIONS = "rlp_illegal_actions"  # model.action_mask: actions the mask forbade, summed per iteration
 
 
 def config_class(algorithm: str) -> type[AlgorithmConfig]:
@@ -231,6 +232,10 @@ def check(config: ExperimentConfig) -> Optional[str]:
     env_id = runner_env_id(config.env)
     if is_multi_agent_env(config.env) and config.multi_agent is None:
         raise UserError(f"env {config.env!r} is multi-agent: add a multi_agent section (policies, mapping)")
+    if config.model.action_mask is not None:
+        from rlplatform.adapter.action_mask import check_spaces
+
+        check_spaces(*env_spaces(config), config.model.action_mask)
     return env_id
 
 
@@ -398,8 +403,14 @@ def _record(algo_config: AlgorithmConfig, config: ExperimentConfig) -> None:
 
     record = config.record
     assert record is not None and record.path is not None  # made absolute by the run's plan
-    algo_config.callbacks(on_sample_end=recording.callback(
+    _add_sample_end_callback(algo_config, recording.callback(
         recording.RecordSettings(record.path, record.episodes_per_file, record.flush_s)))
+
+
+def _add_sample_end_callback(algo_config: AlgorithmConfig, function: Callable[..., None]) -> None:
+    existing = algo_config.callbacks_on_sample_end
+    earlier = list(existing) if isinstance(existing, (list, tuple)) else [existing] if existing else []
+    algo_config.callbacks(on_sample_end=[*earlier, function])
 
 
 def record_episode(*, episode: Any, metrics_logger: Any, prev_episode_chunks: Sequence[Any] = (),
@@ -428,6 +439,11 @@ def _sac_catalog(algorithm: str, model: ModelSection) -> Optional[type]:
 def _module_catalog(config: ExperimentConfig) -> dict[str, Any]:
     from ray.rllib.core.rl_module.rl_module import RLModuleSpec
 
+    if config.model.action_mask is not None:  # merged by RLlib into the experiment's model_config
+        from rlplatform.adapter.action_mask import MASK_KEY, MASKED_MODULES
+
+        return {"rl_module_spec": RLModuleSpec(module_class=MASKED_MODULES[config.algorithm],
+                                               model_config={MASK_KEY: config.model.action_mask})}
     catalog = _sac_catalog(config.algorithm, config.model)
     return {"rl_module_spec": RLModuleSpec(catalog_class=catalog)} if catalog and config.multi_agent is None else {}
 
@@ -512,6 +528,10 @@ def build_algorithm_config(config: ExperimentConfig, main_process_resources: Opt
         _external(algo_config, config)
     if config.data is not None:
         _offline(algo_config, config)
+    if config.model.action_mask is not None:
+        from rlplatform.adapter.action_mask import count_illegal
+
+        _add_sample_end_callback(algo_config, count_illegal(config.model.action_mask))
     if recording and config.record is not None:
         _record(algo_config, config)
     if config.evaluation.interval:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from rlplatform.adapter.algorithm_config import build_algorithm_config
+from rlplatform.adapter.algorithm_config import build_algorithm_config, env_spaces
 from rlplatform.config.schema import ExperimentConfig
 
 
@@ -23,13 +23,18 @@ def _node_id(_runner) -> str:
     return ray.get_runtime_context().get_node_id()
 
 
-def remote_env_runners(config: ExperimentConfig, count: int, num_cpus: Optional[float] = None) -> list:
-    """`count` real remote EnvRunner actors built from the experiment, as training builds them (no learner)."""
+def remote_env_runners(config: ExperimentConfig, count: int, num_cpus: Optional[float] = None,
+                       flatten_nested: bool = False) -> list:
+    """`count` real remote EnvRunner actors built from the experiment, as training builds them (no learner).
+    `flatten_nested`: a Dict or Tuple observation goes through RLlib's FlattenObservations connector, so that
+    RLlib's default module (which takes flat observations only) can be built for an env whatever its spaces."""
     import ray
     from ray.rllib.env.multi_agent_env_runner import MultiAgentEnvRunner
     from ray.rllib.env.single_agent_env_runner import SingleAgentEnvRunner
 
     algo_config = build_algorithm_config(config)
+    if flatten_nested and config.multi_agent is None and _nested(env_spaces(config)[0]):
+        algo_config.env_runners(env_to_module_connector=_flatten_observations)
     runner_cls = algo_config.env_runner_cls or (MultiAgentEnvRunner if config.multi_agent is not None else SingleAgentEnvRunner)
     actor = ray.remote(num_cpus=config.hardware.cpus_per_env_runner if num_cpus is None else num_cpus)(runner_cls)
     return [actor.remote(config=algo_config, worker_index=i + 1, num_workers=count) for i in range(count)]
@@ -39,13 +44,25 @@ def sample_in_remote_env_runner(config: ExperimentConfig, num_timesteps: int = 5
     """Build the env inside a real remote EnvRunner actor (as training does) and sample random actions."""
     import ray
 
-    (runner,) = remote_env_runners(config, 1, num_cpus=0)
+    (runner,) = remote_env_runners(config, 1, num_cpus=0, flatten_nested=True)
     try:
         episodes = ray.get(runner.sample.remote(num_timesteps=num_timesteps, random_actions=True), timeout=120)
         node = ray.get(runner.apply.remote(_node_id), timeout=30)
     finally:
         ray.kill(runner)
     return {"episodes": len(episodes), "env_steps": sum(e.env_steps() for e in episodes), "node_id": node}
+
+
+def _nested(space: Any) -> bool:
+    import gymnasium as gym
+
+    return isinstance(space, (gym.spaces.Dict, gym.spaces.Tuple))
+
+
+def _flatten_observations(env: Any = None, spaces: Any = None, device: Any = None) -> Any:
+    from ray.rllib.connectors.env_to_module import FlattenObservations
+
+    return FlattenObservations()
 
 
 def check_multi_agent_env(env: Any) -> None:

@@ -55,10 +55,15 @@ def greedy_actions(module: Any, observations: Any, state: Any = None) -> tuple[A
     import torch
     from ray.rllib.core.columns import Columns
 
-    batch: dict[str, Any] = {Columns.OBS: as_module_input(torch.as_tensor(np.asarray(observations)))}
+    def tensor(value: Any, time_axis: bool) -> Any:  # a Dict observation: each entry
+        if isinstance(value, dict):
+            return {key: tensor(v, time_axis) for key, v in value.items()}
+        out = as_module_input(torch.as_tensor(np.asarray(value)))
+        return out.unsqueeze(1) if time_axis else out  # [B, T=1, ...]
+
+    batch: dict[str, Any] = {Columns.OBS: tensor(observations, state is not None)}
     if state is not None:
         batch[Columns.STATE_IN] = state
-        batch[Columns.OBS] = batch[Columns.OBS].unsqueeze(1)  # [B, T=1, ...]
     with torch.no_grad():
         out = module.forward_inference(batch)
     if Columns.ACTIONS in out:  # DQN/SAC modules pick their greedy action themselves

@@ -11,7 +11,7 @@ from collections import deque
 from numbers import Number
 from typing import Any, Optional, SupportsFloat, cast
 
-from rlplatform.adapter.algorithm_config import EPISODE_LENGTHS, EPISODE_RETURNS
+from rlplatform.adapter.algorithm_config import EPISODE_LENGTHS, EPISODE_RETURNS, ILLEGAL_ACTIONS
 from rlplatform.internals import GRADIENT_CPU_S, WEIGHTS_APPLY_S
 
 ENV_STEPS = "env_steps"  # x axis of every curve
@@ -94,6 +94,8 @@ def from_rllib_result(result: dict[str, Any], epochs_per_batch: int = 1, offline
         "time/weights_apply_s": _number(runners.get(WEIGHTS_APPLY_S)),
         # CPU seconds the learners spent in gradient steps so far (the lean learners only; bench ingest).
         "cpu/learner_gradient_s": _number(_get(result, "learners", "__all_modules__", GRADIENT_CPU_S)),
+        # Actions the env's mask forbade, in the episodes finished this iteration (model.action_mask; 0 by design).
+        "actions/illegal": _number(runners.get(ILLEGAL_ACTIONS)),
         "faults/healthy_env_runners": _number(_get(result, "fault_tolerance", "num_healthy_workers")),
         "faults/env_runner_restarts": _number(_get(result, "fault_tolerance", "num_remote_worker_restarts")),
         "eval/return_mean": _number(_get(result, "evaluation", "env_runners", "episode_return_mean")),

@@ -65,6 +65,8 @@ def report(results: dict, json_file: Optional[Path], source: dict) -> None:
     )
     for name, values in results.get("per_policy_returns", {}).items():
         console.say(f"  policy {name}: return {statistics.mean(values):.2f} ± {statistics.pstdev(values):.2f}")
+    if "illegal_actions" in results:
+        console.say(f"illegal actions (against the observation's mask): {results['illegal_actions']}")
     for video in results["videos"]:
         console.say(f"video: {video}")
     if json_file:
@@ -149,13 +151,15 @@ def evaluate(checkpoint: Path, config: ExperimentConfig, episodes: int, seed: in
                    for name in config.multi_agent.policies}
         return run_multi_agent_episodes(modules, config.multi_agent.mapping, config.env, config.env_config, episodes, seed)
     module = CheckpointPolicy(rllib_policy.load_inference_module(checkpoint, policy), config)
-    return run_episodes(module, config.env, config.env_config, episodes, seed, video_dir, name=config.name)
+    return run_episodes(module, config.env, config.env_config, episodes, seed, video_dir, name=config.name,
+                        action_mask=config.model.action_mask)
 
 
 def run_episodes(policy: Any, env_id: str, env_config: dict, episodes: int, seed: int, video_dir: Optional[Path], name: str,
-                 trajectories: Optional[list[dict[str, Any]]] = None) -> dict:
+                 trajectories: Optional[list[dict[str, Any]]] = None, action_mask: Optional[str] = None) -> dict:
     """Greedy episodes; `policy` has initial_state() and act(observations, state) -> (env actions, state).
-    `trajectories`: a list that gets each episode's observations, env actions, rewards and how it ended."""
+    `trajectories`: a list that gets each episode's observations, env actions, rewards and how it ended.
+    `action_mask`: the observation's mask key; the results then count the actions it forbade (`illegal_actions`)."""
     import gymnasium as gym
 
     from rlplatform.config.env_ids import make_env
@@ -168,7 +172,7 @@ def run_episodes(policy: Any, env_id: str, env_config: dict, episodes: int, seed
         video_dir.mkdir(parents=True, exist_ok=True)
         env = gym.wrappers.RecordVideo(env, str(video_dir), episode_trigger=lambda _: True,
                                        name_prefix=f"{name}-seed{seed}", disable_logger=True)
-    returns, lengths = [], []
+    returns, lengths, illegal = [], [], 0
     try:
         for episode in range(episodes):
             obs, _ = env.reset(seed=seed + episode)
@@ -176,7 +180,9 @@ def run_episodes(policy: Any, env_id: str, env_config: dict, episodes: int, seed
             done, total, steps = False, 0.0, 0
             played: dict[str, Any] = {"observations": [obs], "actions": [], "rewards": []}
             while not done:
-                actions, state = policy.act(obs[None], state)
+                actions, state = policy.act(batch_of_one(obs), state)
+                if action_mask is not None:
+                    illegal += int(not obs[action_mask][int(actions[0])])
                 obs, reward, terminated, truncated, _ = env.step(actions[0])
                 total, steps, done = total + float(reward), steps + 1, terminated or truncated
                 if trajectories is not None:
@@ -190,7 +196,17 @@ def run_episodes(policy: Any, env_id: str, env_config: dict, episodes: int, seed
     finally:
         env.close()
     videos = sorted(str(p) for p in video_dir.glob("*.mp4")) if video_dir else []
-    return {"returns": returns, "lengths": lengths, "videos": videos}
+    counted = {"illegal_actions": illegal} if action_mask is not None else {}
+    return {"returns": returns, "lengths": lengths, "videos": videos, **counted}
+
+
+def batch_of_one(obs: Any) -> Any:
+    """An observation as a batch of one (a Dict observation: each entry)."""
+    import numpy as np
+
+    if isinstance(obs, dict):
+        return {key: batch_of_one(value) for key, value in obs.items()}
+    return np.asarray(obs)[None]
 
 
 def run_multi_agent_episodes(policies: dict, mapping: dict[str, str], env_id: str, env_config: dict, episodes: int, seed: int) -> dict:

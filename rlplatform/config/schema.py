@@ -17,6 +17,7 @@ from rlplatform.errors import UserError, did_you_mean
 
 SCHEMA_VERSION: Final = 1
 ALGORITHMS = ("PPO", "APPO", "IMPALA", "DQN", "SAC", "TQC", "DREAMERV3", "BC", "MARWIL", "CQL", "IQL")
+MASKED_ALGORITHMS = ("PPO", "APPO", "IMPALA")  # model.action_mask: the algorithms whose module masks its logits
 # They learn from recorded episodes (the `data` section), not from env runners; the env, where named, evaluates.
 OFFLINE_ALGORITHMS = ("BC", "MARWIL", "CQL", "IQL")
 BOX_ACTION_ALGORITHMS = ("CQL", "IQL")  # RLlib 2.60's CQL and IQL modules take a Box action only
@@ -49,6 +50,9 @@ class ModelSection(Section):
     # "streams" only: the layers after the observation and action encoders (RLlib's fusionnet_hiddens).
     fusion_hidden: list[int] = Field(default_factory=lambda: [256, 256])
     fusion_activation: Literal["tanh", "relu", "swish", "silu", "elu", "linear"] = "tanh"
+    # Action masking for a Discrete action (PPO, APPO, IMPALA): the key of the env's Dict observation that holds the
+    # mask (1 = legal); the policy reads the Dict's one other key. null: no masking.
+    action_mask: Optional[str] = Field(None, min_length=1)
 
     @field_validator("conv_filters")
     @classmethod
@@ -393,6 +397,7 @@ def validate(data: dict[str, Any], source: str = "config") -> ExperimentConfig:
     _check_external(config, source)
     _check_offline(config, source)
     _check_record(config, source)
+    _check_action_mask(config, source)
     if config.init_from is not None and config.multi_agent is not None:
         raise UserError(f"{source}: init_from starts one policy from a checkpoint's; it does not go with multi_agent")
     if config.scale.aggregators_per_learner and config.algorithm not in AGGREGATOR_ALGORITHMS:
@@ -474,6 +479,19 @@ def _check_record(config: ExperimentConfig, source: str) -> None:
     if config.record.path is not None and "://" in config.record.path:
         raise UserError(f"{source}: record.path {config.record.path[:200]}: a directory, not a URI (on a cluster, one "
                         "that every node mounts)")
+
+
+def _check_action_mask(config: ExperimentConfig, source: str) -> None:
+    """Masking is built into PPO's module (APPO's and IMPALA's too) for one feed-forward policy so far."""
+    if config.model.action_mask is None:
+        return
+    problem = (f"{config.algorithm} (masking is built for {', '.join(MASKED_ALGORITHMS)})"
+               if config.algorithm not in MASKED_ALGORITHMS else
+               "model.use_lstm (not yet)" if config.model.use_lstm else
+               "multi_agent (not yet)" if config.multi_agent is not None else
+               "env: external" if config.external is not None else None)
+    if problem:
+        raise UserError(f"{source}: model.action_mask does not go with {problem}")
 
 
 def _deeper_than(data: Any, limit: int) -> Optional[str]:

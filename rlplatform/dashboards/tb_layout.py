@@ -19,6 +19,7 @@ LAYOUT: dict[str, dict[str, list[str]]] = {
         "Iteration time: sample / learn / sync": [r"time/iteration_s", r"time/sample_s", r"time/learn_s", r"time/sync_weights_s"],
         "Return per policy (multi-agent)": [r"return/[^/]+/mean"],
         "Episode length": [r"episode/length_mean", r"eval/episode_length_mean"],
+        "Illegal actions (model.action_mask; 0)": [r"actions/illegal"],
     },
     "Learner": {
         "Losses": [r"learner/.*loss$"],

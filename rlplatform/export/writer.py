@@ -22,6 +22,9 @@ def export_checkpoint(info: CheckpointInfo, config: ExperimentConfig, fmt: str, 
     """Every policy of the checkpoint (or the one named) into `out_dir`; returns the export description."""
     from rlplatform.adapter.policy import load_inference_module, module_ids
 
+    if config.model.action_mask is not None:  # before anything is written
+        raise UserError(f"checkpoint {info.path}: a masked policy (model.action_mask) does not export yet: the model "
+                        "would take the mask as an input; evaluate it from the checkpoint")
     if fmt == "onnx":
         _require_onnx()
     ma = config.multi_agent
