@@ -2,9 +2,9 @@
 
 The observation is a Dict holding the mask under KEY (1 = legal, one entry per action) and the policy's input under
 its one other key (PettingZoo classic's `observation` / `action_mask`). `MaskedPPOTorchRLModule` is RLlib's PPO
-module (IMPALA's too; `MaskedAPPOTorchRLModule` APPO's, its target policy included) built on that other key's space; every forward pass sets the logits of illegal
-actions to the lowest float, so sampling, the greedy argmax, the log-probabilities and the entropy in the loss all
-see only legal actions. The value function reads the same input. RLlib's own example module
+module (IMPALA's too) and `MaskedAPPOTorchRLModule` APPO's, built on that other key's space. Every forward pass,
+APPO's target policy's included, sets the logits of illegal actions to the lowest float, so sampling, the greedy
+argmax, the log-probabilities and the entropy in the loss all see only legal actions. The value function reads the same input. RLlib's own example module
 (`examples/rl_modules/classes/action_masking_rlm.py`) pops the mask out of the batch in place and relies on the
 order of RLlib's connectors; this one leaves the batch as it is.
 

@@ -94,7 +94,7 @@ def from_rllib_result(result: dict[str, Any], epochs_per_batch: int = 1, offline
         "time/weights_apply_s": _number(runners.get(WEIGHTS_APPLY_S)),
         # CPU seconds the learners spent in gradient steps so far (the lean learners only; bench ingest).
         "cpu/learner_gradient_s": _number(_get(result, "learners", "__all_modules__", GRADIENT_CPU_S)),
-        # Actions the env's mask forbade, in the episodes finished this iteration (model.action_mask; 0 by design).
+        # Sampled actions that their step's mask forbade, this iteration (model.action_mask; 0 by design).
         "actions/illegal": _number(runners.get(ILLEGAL_ACTIONS)),
         "faults/healthy_env_runners": _number(_get(result, "fault_tolerance", "num_healthy_workers")),
         "faults/env_runner_restarts": _number(_get(result, "fault_tolerance", "num_remote_worker_restarts")),
