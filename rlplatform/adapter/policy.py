@@ -53,15 +53,14 @@ def greedy_actions(module: Any, observations: Any, state: Any = None) -> tuple[A
     """Deterministic actions for a batch of observations (and the next RNN state, if any)."""
     import numpy as np
     import torch
+    import tree  # dm-tree, an RLlib dependency: a Dict observation's entries each become a tensor
     from ray.rllib.core.columns import Columns
 
-    def tensor(value: Any, time_axis: bool) -> Any:  # a Dict observation: each entry
-        if isinstance(value, dict):
-            return {key: tensor(v, time_axis) for key, v in value.items()}
+    def tensor(value: Any) -> Any:
         out = as_module_input(torch.as_tensor(np.asarray(value)))
-        return out.unsqueeze(1) if time_axis else out  # [B, T=1, ...]
+        return out.unsqueeze(1) if state is not None else out  # [B, T=1, ...]
 
-    batch: dict[str, Any] = {Columns.OBS: tensor(observations, state is not None)}
+    batch: dict[str, Any] = {Columns.OBS: tree.map_structure(tensor, observations)}
     if state is not None:
         batch[Columns.STATE_IN] = state
     with torch.no_grad():
