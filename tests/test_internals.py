@@ -86,8 +86,9 @@ OUR_ENV_PREFIX = "RLPLATFORM_"
 # RLlib's documented extension points for a custom RLModule: underscored, but RLModule's `forward_*` docstrings say
 # "This method should not be overridden. Override the `self._forward_*()` method instead", and MultiRLModule calls
 # its modules' `_forward` directly. Overriding them (and calling the parent's) is RLlib's public API, not a touch of
-# an internal; the guard still reports them, and only these pass outside internals (docs/internals.md).
-RLMODULE_EXTENSION_POINTS = {f"DefaultPPOTorchRLModule.{name}"
+# an internal; the guard still reports them, and only these, in the masked modules' file, pass outside internals
+# (docs/internals.md).
+RLMODULE_EXTENSION_POINTS = {("adapter/action_mask.py", f"DefaultPPOTorchRLModule.{name}")
                              for name in ("_forward", "_forward_train", "_forward_inference", "_forward_exploration")}
 
 
@@ -657,7 +658,8 @@ def test_every_private_touch_in_internals_is_in_the_table_and_every_entry_is_fou
 
 def test_nothing_outside_internals_touches_a_private_library_symbol():
     outside = sorted((t for t in _touches_everywhere()
-                      if not t.path.startswith("internals/") and t.symbol not in RLMODULE_EXTENSION_POINTS), key=str)
+                      if not t.path.startswith("internals/") and (t.path, t.symbol) not in RLMODULE_EXTENSION_POINTS),
+                     key=str)
     assert len(_our_files()) > 60
     assert not outside, "private library symbols touched outside rlplatform/internals:\n" + "\n".join(map(str, outside))
 
